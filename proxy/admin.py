@@ -1,0 +1,156 @@
+"""The admin API (sessions, rewards) behind a bearer token, and /healthz and /metrics.
+
+The token is required unless the proxy listens on loopback only and none was set.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, Field, field_validator
+
+from proxy.errors import NotFound, ProxyError, Unauthorized
+from proxy.state import ProxyState
+from recorder import SessionInfo
+from recorder.store import SessionConflict
+
+
+class SessionCreate(BaseModel):
+    id: str | None = Field(None, max_length=256)
+    run: str | None = Field(None, max_length=256)
+    task_id: str | None = Field(None, max_length=256)
+    group_id: str | None = Field(None, max_length=256)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardIn(BaseModel):
+    value: float
+    source: str = Field("admin", max_length=64)
+
+    @field_validator("value")
+    @classmethod
+    def finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reward must be a finite number")
+        return v
+
+
+class Conflict(ProxyError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+def _state(request: Request) -> ProxyState:
+    state: ProxyState = request.app.state.rlp
+    return state
+
+
+async def require_admin(request: Request) -> None:
+    settings = _state(request).settings
+    if settings.admin_open:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not settings.admin_token:
+        raise Unauthorized("the admin API needs 'Authorization: Bearer <admin token>'")
+    if not secrets.compare_digest(token.strip(), settings.admin_token):
+        raise Unauthorized("wrong admin token")
+
+
+def session_json(info: SessionInfo, request: Request | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": info.id,
+        "run": info.run,
+        "task_id": info.task_id,
+        "group_id": info.group_id,
+        "metadata": info.metadata,
+        "status": info.status,
+        "created_at": info.created_at.isoformat() if info.created_at else None,
+        "ended_at": info.ended_at.isoformat() if info.ended_at else None,
+        "reward": info.reward,
+        "calls": info.calls,
+    }
+    if request is not None:
+        out["key"] = info.key
+        out["base_url"] = f"{str(request.base_url).rstrip('/')}/v1"
+    return out
+
+
+admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+@admin.post("/sessions", status_code=201)
+async def create_session(body: SessionCreate, request: Request) -> dict[str, Any]:
+    """A new session; its key (unguessable) is the API key the harness should use."""
+    info = SessionInfo(
+        id=body.id or uuid.uuid4().hex,
+        key=f"rlp-{secrets.token_urlsafe(24)}",
+        run=body.run,
+        task_id=body.task_id,
+        group_id=body.group_id,
+        metadata=body.metadata,
+    )
+    try:
+        created = await _state(request).store.create_session(info)
+    except SessionConflict as exc:
+        raise Conflict(str(exc)) from exc
+    return session_json(created, request)
+
+
+@admin.get("/sessions")
+async def list_sessions(request: Request, run: str | None = None, limit: int = 1000) -> dict[str, Any]:
+    sessions = await _state(request).store.list_sessions(run=run, limit=limit)
+    return {"object": "list", "data": [session_json(s) for s in sessions]}
+
+
+async def _existing(request: Request, session_id: str) -> SessionInfo:
+    info = await _state(request).store.get_session(session_id)
+    if info is None:
+        raise NotFound(f"no session {session_id!r}")
+    return info
+
+
+@admin.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+    return session_json(await _existing(request, session_id))
+
+
+@admin.post("/sessions/{session_id}/reward")
+async def post_reward(session_id: str, body: RewardIn, request: Request) -> dict[str, Any]:
+    await _existing(request, session_id)
+    await _state(request).store.add_reward(session_id, body.value, body.source)
+    return session_json(await _existing(request, session_id))
+
+
+@admin.post("/sessions/{session_id}/end")
+async def end_session(session_id: str, request: Request) -> dict[str, Any]:
+    await _existing(request, session_id)
+    await _state(request).store.end_session(session_id)
+    return session_json(await _existing(request, session_id))
+
+
+ops = APIRouter()
+
+
+@ops.get("/healthz")
+async def healthz(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return {
+        "status": "ok",
+        "upstream": state.upstream.base_url,
+        "policy_version": state.upstream.version,
+        "recorder_queue": state.store.queue_depth,
+        "record_failures": state.store.write_failures,
+    }
+
+
+@ops.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    state.metrics.queue_depth.set(state.store.queue_depth)
+    state.metrics.record_failures.set(state.store.write_failures)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")

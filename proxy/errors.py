@@ -1,0 +1,90 @@
+"""Named proxy errors and the handlers that turn every failure into the OpenAI error shape.
+
+No traceback reaches a client: unexpected exceptions are logged here and answered with a 500
+in the same JSON shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("rl_proxy.proxy")
+
+
+class ProxyError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class BadRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "not_found_error"
+
+
+class BodyTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UpstreamUnreachable(ProxyError):
+    status = 502
+    type = "upstream_error"
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeout(ProxyError):
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+def error_body(message: str, type_: str, code: str | int | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProxyError)
+    async def proxy_error(_: Request, exc: ProxyError) -> ORJSONResponse:
+        return ORJSONResponse(error_body(exc.message, exc.type, exc.code, exc.param), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> ORJSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
+        return ORJSONResponse(error_body(message, "invalid_request_error", param=where or None), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> ORJSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ORJSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> ORJSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ORJSONResponse(
+            error_body(f"internal proxy error ({type(exc).__name__})", "internal_error"), 500
+        )

@@ -1,0 +1,105 @@
+"""Running the proxy: in the foreground with a supervised vLLM (`rl-proxy serve`), or in a
+background thread (the demo and the tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from proxy.app import create_app
+from proxy.backend import BackendError, VllmServer, free_port
+from proxy.settings import Settings
+
+log = logging.getLogger("rl_proxy.server")
+
+
+@contextmanager
+def backend_for(settings: Settings, progress: bool = True) -> Iterator[tuple[Settings, VllmServer | None]]:
+    """The settings with an upstream: the given one, or a vLLM launched here for `settings.model`."""
+    if settings.upstream is not None:
+        yield settings, None
+        return
+    from trainer.model import resolve_model  # torch and transformers only when launching
+
+    path, name = resolve_model(settings.model)
+    served = settings.served_model_name or name
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    vllm = VllmServer(
+        path,
+        served,
+        log_file=settings.log_dir / "vllm.log",
+        port=settings.vllm_port,
+        max_model_len=settings.max_model_len,
+        tool_call_parser=settings.tool_call_parser,
+        extra_args=settings.vllm_args,
+    )
+    if progress:
+        print(f"vLLM log: {vllm.log_file}")
+    vllm.start(settings.vllm_startup_timeout, progress=progress)
+    try:
+        yield settings.model_copy(update={"upstream": vllm.base_url, "served_model_name": served}), vllm
+    finally:
+        vllm.stop()
+
+
+def run(settings: Settings) -> int:
+    """Serve in the foreground until Ctrl-C; exit code 1 if a launched vLLM dies."""
+    with backend_for(settings) as (settings, vllm):
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, access_log=False)
+        )
+        died: list[BackendError] = []
+
+        async def watch() -> None:
+            while vllm is not None and not server.should_exit:
+                try:
+                    vllm.check_alive()
+                except BackendError as exc:
+                    log.error("%s", exc)
+                    died.append(exc)
+                    server.should_exit = True
+                await asyncio.sleep(1.0)
+
+        async def main() -> None:
+            watcher = asyncio.create_task(watch())
+            await server.serve()
+            watcher.cancel()
+
+        print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {settings.upstream}; db {settings.db}")
+        asyncio.run(main())
+        return 1 if died else 0
+
+
+class ProxyThread:
+    """A proxy app served by uvicorn in a background thread on a free loopback port."""
+
+    def __init__(self, app: FastAPI, port: int = 0) -> None:
+        self.port = port or free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
+        )
+        self.thread = threading.Thread(target=self.server.run, name="rl-proxy", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ProxyThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the proxy did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

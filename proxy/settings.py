@@ -1,0 +1,55 @@
+"""Proxy and recorder settings: one pydantic-settings class, from the environment (RLP_*) and
+from CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from platformdirs import user_data_dir
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def data_dir() -> Path:
+    """Per-user directory for the default database, prepared models and logs."""
+    return Path(user_data_dir("rl-proxy", appauthor=False))
+
+
+def default_db() -> str:
+    return f"sqlite+aiosqlite:///{data_dir() / 'rl-proxy.db'}"
+
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class Settings(BaseSettings):
+    """Everything `rl-proxy serve` needs. Each field reads `RLP_<NAME>` from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RLP_", extra="forbid")
+
+    upstream: str | None = Field(
+        None, description="OpenAI-compatible base URL (http://HOST:PORT/v1); none: launch vLLM"
+    )
+    model: str = Field("default", description="model to launch: 'default', an HF dir or hub name")
+    served_model_name: str | None = Field(None, description="name clients use; default: derived")
+    db: str = Field(default_factory=default_db, description="SQLAlchemy URL or SQLite path")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_token: str | None = Field(None, description="bearer token of /admin (needed off loopback)")
+    create_sessions: bool = Field(True, description="create unknown sessions on first use")
+    max_body_bytes: int = 32 * 1024 * 1024
+    upstream_timeout: float = Field(600.0, description="seconds to wait for upstream data")
+    upstream_connect_timeout: float = 10.0
+    version_poll_interval: float = Field(1.0, description="seconds between GET /weight_info")
+    # Launching vLLM
+    vllm_port: int = Field(0, description="port of a launched vLLM; 0 picks a free one")
+    max_model_len: int = Field(4096, description="context length of a launched vLLM")
+    tool_call_parser: str = Field("hermes", description="vLLM tool-call parser for the model")
+    vllm_startup_timeout: float = 900.0
+    vllm_args: list[str] = Field(default_factory=list, description="extra vLLM arguments")
+    log_dir: Path = Field(default_factory=lambda: data_dir() / "logs")
+
+    @property
+    def admin_open(self) -> bool:
+        """The admin API needs no token only when nothing off this machine can reach it."""
+        return self.admin_token is None and self.host in LOOPBACK

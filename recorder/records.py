@@ -1,0 +1,71 @@
+"""The data that crosses packages: a recorded call and a session.
+
+These frozen dataclasses are the contract between the proxy (which fills them), the store
+(which persists them) and the trainer and exporters (which read them back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled choice of a call: exactly the tokens the model produced."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One model call as it went through the proxy.
+
+    `request` and `response` are the bodies as the client sent and received them (a streamed
+    response is stored assembled into the non-streamed shape). Token ids and logprobs are
+    the upstream's own, never re-tokenized. `policy_version_end` differs from
+    `policy_version` when the weights were swapped while the call was running.
+    """
+
+    session_id: str
+    seq: int
+    api: str
+    model: str
+    upstream: str
+    stream: bool
+    request: dict[str, Any]
+    response: dict[str, Any] | None
+    ok: bool
+    http_status: int
+    error: str | None
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    policy_version: str | None
+    policy_version_end: str | None
+    started_at: datetime
+    finished_at: datetime
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.finished_at - self.started_at).total_seconds() * 1000.0
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session: one agent episode. Its key is what the harness sends as its API key."""
+
+    id: str
+    key: str
+    run: str | None = None
+    task_id: str | None = None
+    group_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    status: str = "active"
+    created_at: datetime | None = None
+    ended_at: datetime | None = None
+    reward: float | None = None
+    calls: int = 0

@@ -1,0 +1,122 @@
+"""SQLAlchemy tables of the store and the packed-array column types.
+
+Token ids are stored as little-endian int32 arrays and logprobs as float32 arrays (about 8x
+smaller than JSON text and read back without parsing). `SCHEMA_VERSION` is written to the
+`schema_version` table; a store written by a newer schema is refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, ForeignKey, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+SCHEMA_VERSION = 1
+
+
+def pack(values: list[int] | list[float], typecode: str) -> bytes:
+    packed = array(typecode, values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack(blob: bytes, typecode: str) -> list[Any]:
+    packed = array(typecode)
+    packed.frombytes(blob)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+class _Packed(TypeDecorator[list[Any]]):
+    impl = LargeBinary
+    cache_ok = True
+    typecode = ""
+
+    def process_bind_param(self, value: list[Any] | None, dialect: Dialect) -> bytes | None:
+        return None if value is None else pack(value, self.typecode)
+
+    def process_result_value(self, value: bytes | None, dialect: Dialect) -> list[Any] | None:
+        return None if value is None else unpack(value, self.typecode)
+
+
+class PackedInts(_Packed):
+    typecode = "i"
+
+
+class PackedFloats(_Packed):
+    typecode = "f"
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON}
+
+
+class SchemaVersionRow(Base):
+    __tablename__ = "schema_version"
+    version: Mapped[int] = mapped_column(primary_key=True)
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    key: Mapped[str] = mapped_column(String(512), unique=True)
+    run: Mapped[str | None] = mapped_column(String(256), index=True)
+    task_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    group_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    created_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+
+
+class CallRow(Base):
+    __tablename__ = "calls"
+    __table_args__ = (UniqueConstraint("session_id", "seq"),)
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"))
+    seq: Mapped[int]
+    api: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(256))
+    upstream: Mapped[str] = mapped_column(String(512))
+    stream: Mapped[bool]
+    ok: Mapped[bool]
+    http_status: Mapped[int]
+    error: Mapped[str | None] = mapped_column(Text)
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    prompt_token_ids: Mapped[list[int]] = mapped_column(PackedInts)
+    policy_version: Mapped[str | None] = mapped_column(String(64))
+    policy_version_end: Mapped[str | None] = mapped_column(String(64))
+    started_at: Mapped[datetime] = mapped_column(index=True)
+    finished_at: Mapped[datetime]
+    latency_ms: Mapped[float]
+    completions: Mapped[list[CompletionRow]] = relationship(
+        order_by="CompletionRow.choice_index", lazy="selectin"
+    )
+
+
+class CompletionRow(Base):
+    __tablename__ = "completions"
+    call_id: Mapped[int] = mapped_column(ForeignKey("calls.id"), primary_key=True)
+    choice_index: Mapped[int] = mapped_column(primary_key=True)
+    token_ids: Mapped[list[int]] = mapped_column(PackedInts)
+    logprobs: Mapped[list[float]] = mapped_column(PackedFloats)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+
+
+class RewardRow(Base):
+    __tablename__ = "rewards"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    value: Mapped[float]
+    source: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+

@@ -1,0 +1,397 @@
+"""The store: one SQLAlchemy async engine, one writer task, plain read functions.
+
+Writes (new sessions, calls, rewards, session ends) go through one queue; a single writer task
+commits whatever is queued in one transaction (group commit) and only then resolves each
+writer's future, so a call is durable before the proxy answers the client. If a batch fails,
+its operations are retried one by one so that one bad record cannot lose the others.
+SQLite runs in WAL mode with synchronous=FULL; any other SQLAlchemy async URL works the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, func, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+
+from recorder.records import CallRecord, Completion, SessionInfo
+from recorder.schema import (
+    SCHEMA_VERSION,
+    Base,
+    CallRow,
+    CompletionRow,
+    RewardRow,
+    SchemaVersionRow,
+    SessionRow,
+)
+
+log = logging.getLogger("rl_proxy.recorder")
+
+Op = Callable[[AsyncSession], Awaitable[None]]
+MAX_BATCH = 512
+
+
+class SchemaMismatch(RuntimeError):
+    """The database was written by a newer version of rl-proxy."""
+
+
+class SessionConflict(ValueError):
+    """A session id is already taken by a session with another key."""
+
+
+def async_url(url: str) -> str:
+    """Accept plain paths and sync driver names; return an async SQLAlchemy URL."""
+    if "://" not in url:
+        return f"sqlite+aiosqlite:///{Path(url).expanduser().resolve()}"
+    parsed = make_url(url)
+    drivers = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
+    if parsed.drivername in drivers:
+        parsed = parsed.set(drivername=drivers[parsed.drivername])
+    return parsed.render_as_string(hide_password=False)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def _session_info(row: SessionRow, reward: float | None = None, calls: int = 0) -> SessionInfo:
+    return SessionInfo(
+        id=row.id,
+        key=row.key,
+        run=row.run,
+        task_id=row.task_id,
+        group_id=row.group_id,
+        metadata=dict(row.meta or {}),
+        status=row.status,
+        created_at=row.created_at,
+        ended_at=row.ended_at,
+        reward=reward,
+        calls=calls,
+    )
+
+
+def _call_row(call: CallRecord) -> CallRow:
+    return CallRow(
+        session_id=call.session_id,
+        seq=call.seq,
+        api=call.api,
+        model=call.model,
+        upstream=call.upstream,
+        stream=call.stream,
+        ok=call.ok,
+        http_status=call.http_status,
+        error=call.error,
+        request=call.request,
+        response=call.response,
+        prompt_token_ids=call.prompt_token_ids,
+        policy_version=call.policy_version,
+        policy_version_end=call.policy_version_end,
+        started_at=call.started_at,
+        finished_at=call.finished_at,
+        latency_ms=call.latency_ms,
+        completions=[
+            CompletionRow(
+                choice_index=c.index,
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+            )
+            for c in call.completions
+        ],
+    )
+
+
+def _call_record(row: CallRow) -> CallRecord:
+    return CallRecord(
+        session_id=row.session_id,
+        seq=row.seq,
+        api=row.api,
+        model=row.model,
+        upstream=row.upstream,
+        stream=row.stream,
+        request=row.request,
+        response=row.response,
+        ok=row.ok,
+        http_status=row.http_status,
+        error=row.error,
+        prompt_token_ids=row.prompt_token_ids,
+        completions=[
+            Completion(c.choice_index, c.token_ids, c.logprobs, c.finish_reason)
+            for c in row.completions
+        ],
+        policy_version=row.policy_version,
+        policy_version_end=row.policy_version_end,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+    )
+
+
+class Store:
+    """Sessions, calls and rewards in one SQL database. Use as `async with Store(url) as store`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = async_url(url)
+        self.engine = create_async_engine(self.url, connect_args=self._connect_args())
+        if self.engine.dialect.name == "sqlite":
+            event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+        self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        self._queue: asyncio.Queue[tuple[Op, asyncio.Future[None]] | None] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self._by_key: dict[str, SessionInfo] = {}
+        self._seq: dict[str, int] = {}
+        self._session_lock = asyncio.Lock()
+        self.write_failures = 0
+        self.committed_batches = 0
+
+    def _connect_args(self) -> dict[str, Any]:
+        return {"timeout": 30} if self.url.startswith("sqlite") else {}
+
+    async def __aenter__(self) -> Store:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        url = make_url(self.url)
+        if url.drivername.startswith("sqlite") and url.database:
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        async with self.engine.begin() as conn:
+            await conn.run_sync(Base.metadata.create_all)
+        async with self._sessions.begin() as s:
+            found = await s.scalar(select(func.max(SchemaVersionRow.version)))
+            if found is None:
+                s.add(SchemaVersionRow(version=SCHEMA_VERSION))
+            elif found > SCHEMA_VERSION:
+                raise SchemaMismatch(
+                    f"{self.url} has schema version {found}; this rl-proxy knows up to "
+                    f"{SCHEMA_VERSION}: upgrade rl-proxy"
+                )
+        self._writer = asyncio.create_task(self._write_loop(), name="recorder-writer")
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._queue.put(None)
+            await self._writer
+            self._writer = None
+        await self.engine.dispose()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    # -- writing -------------------------------------------------------------------------
+
+    def submit(self, op: Op) -> asyncio.Future[None]:
+        """Queue a write; the future resolves once it is committed."""
+        if self._writer is None:
+            raise RuntimeError("Store is not open")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((op, done))
+        return done
+
+    async def _write_loop(self) -> None:
+        stop = False
+        while not stop:
+            item = await self._queue.get()
+            batch = []
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= MAX_BATCH or self._queue.empty():
+                    break
+                item = self._queue.get_nowait()
+            stop = item is None
+            if batch:
+                await self._commit(batch)
+
+    async def _commit(self, batch: list[tuple[Op, asyncio.Future[None]]]) -> None:
+        try:
+            async with self._sessions.begin() as s:
+                for op, _ in batch:
+                    await op(s)
+        except Exception as exc:
+            if len(batch) == 1:
+                self.write_failures += 1
+                log.error("recording failed: %s", exc)
+                _settle(batch[0][1], exc)
+                return
+            log.warning("batch of %d writes failed (%s); retrying one by one", len(batch), exc)
+            for one in batch:
+                await self._commit([one])
+            return
+        self.committed_batches += 1
+        for _, done in batch:
+            _settle(done, None)
+
+    def record_nowait(self, call: CallRecord) -> asyncio.Future[None]:
+        row = _call_row(call)
+
+        async def op(s: AsyncSession) -> None:
+            s.add(row)
+
+        return self.submit(op)
+
+    async def record(self, call: CallRecord) -> None:
+        """Persist one call; returns once it is committed."""
+        await self.record_nowait(call)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    async def session_by_key(self, key: str) -> SessionInfo | None:
+        cached = self._by_key.get(key)
+        if cached is not None:
+            return cached
+        async with self._sessions() as s:
+            row = await s.scalar(select(SessionRow).where(SessionRow.key == key))
+            if row is None:
+                return None
+            last = await s.scalar(select(func.max(CallRow.seq)).where(CallRow.session_id == row.id))
+        info = _session_info(row)
+        self._seq.setdefault(info.id, last or 0)
+        self._by_key[key] = info
+        return info
+
+    async def create_session(self, info: SessionInfo) -> SessionInfo:
+        """Create a session (durably). Raises SessionConflict if its id or key is taken."""
+        async with self._session_lock:
+            if info.key in self._by_key or await self.session_by_key(info.key):
+                raise SessionConflict(f"session key {info.key!r} is already in use")
+            if await self.get_session(info.id) is not None:
+                raise SessionConflict(f"session id {info.id!r} is already taken")
+            row = SessionRow(
+                id=info.id,
+                key=info.key,
+                run=info.run,
+                task_id=info.task_id,
+                group_id=info.group_id,
+                meta=info.metadata,
+                status="active",
+                created_at=utcnow(),
+            )
+
+            async def op(s: AsyncSession) -> None:
+                s.add(row)
+
+            await self.submit(op)
+            created = _session_info(row)
+            self._by_key[info.key] = created
+            self._seq[created.id] = 0
+            return created
+
+    async def resolve_session(self, info: SessionInfo) -> SessionInfo:
+        """The stored session with `info.key`, created from `info` on first use."""
+        found = await self.session_by_key(info.key)
+        if found is not None:
+            return found
+        try:
+            return await self.create_session(info)
+        except SessionConflict:
+            found = await self.session_by_key(info.key)
+            if found is None:
+                raise
+            return found
+
+    def next_seq(self, session_id: str) -> int:
+        """The next call number in a session (sessions are resolved before their calls)."""
+        self._seq[session_id] = self._seq.get(session_id, 0) + 1
+        return self._seq[session_id]
+
+    async def add_reward(self, session_id: str, value: float, source: str) -> None:
+        row = RewardRow(session_id=session_id, value=value, source=source, created_at=utcnow())
+
+        async def op(s: AsyncSession) -> None:
+            s.add(row)
+
+        await self.submit(op)
+
+    async def end_session(self, session_id: str) -> None:
+        async def op(s: AsyncSession) -> None:
+            await s.execute(
+                update(SessionRow)
+                .where(SessionRow.id == session_id)
+                .values(status="ended", ended_at=utcnow())
+            )
+
+        await self.submit(op)
+        for key, info in list(self._by_key.items()):
+            if info.id == session_id:
+                del self._by_key[key]
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def get_session(self, session_id: str) -> SessionInfo | None:
+        sessions = await self.list_sessions(session_id=session_id)
+        return sessions[0] if sessions else None
+
+    async def list_sessions(
+        self, *, run: str | None = None, session_id: str | None = None, limit: int | None = None
+    ) -> list[SessionInfo]:
+        rewards = (
+            select(RewardRow.session_id, func.sum(RewardRow.value).label("reward"))
+            .group_by(RewardRow.session_id)
+            .subquery()
+        )
+        calls = (
+            select(CallRow.session_id, func.count().label("calls"))
+            .group_by(CallRow.session_id)
+            .subquery()
+        )
+        query = (
+            select(SessionRow, rewards.c.reward, calls.c.calls)
+            .outerjoin(rewards, rewards.c.session_id == SessionRow.id)
+            .outerjoin(calls, calls.c.session_id == SessionRow.id)
+            .order_by(SessionRow.created_at, SessionRow.id)
+            .limit(limit)
+        )
+        if run is not None:
+            query = query.where(SessionRow.run == run)
+        if session_id is not None:
+            query = query.where(SessionRow.id == session_id)
+        async with self._sessions() as s:
+            result = await s.execute(query)
+            return [_session_info(row, reward, n or 0) for row, reward, n in result.all()]
+
+    async def iter_calls(
+        self, session_id: str | None = None, batch: int = 256
+    ) -> AsyncIterator[CallRecord]:
+        """Every recorded call in insertion order, read in batches (bounded memory)."""
+        last = 0
+        while True:
+            query = select(CallRow).where(CallRow.id > last).order_by(CallRow.id).limit(batch)
+            if session_id is not None:
+                query = query.where(CallRow.session_id == session_id)
+            async with self._sessions() as s:
+                rows = (await s.scalars(query)).all()
+            for row in rows:
+                yield _call_record(row)
+            if len(rows) < batch:
+                return
+            last = rows[-1].id
+
+    async def count_calls(self) -> int:
+        async with self._sessions() as s:
+            return await s.scalar(select(func.count()).select_from(CallRow)) or 0
+
+
+def _settle(done: asyncio.Future[None], exc: BaseException | None) -> None:
+    if done.done():
+        return
+    if exc is None:
+        done.set_result(None)
+    else:
+        done.set_exception(exc)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
