@@ -109,8 +109,7 @@ class VllmServer:
             if waited > timeout:
                 self.stop()
                 raise BackendError(
-                    f"vLLM did not start within {timeout:.0f} s (log: {self.log_file}):\n"
-                    f"{_tail(self.log_file)}"
+                    f"vLLM did not start within {timeout:.0f} s (log: {self.log_file}):\n{_tail(self.log_file)}"
                 )
             if progress:
                 print(f"\rstarting vLLM ({self.served_name}): {waited:.0f} s", end="", flush=True)
@@ -120,9 +119,7 @@ class VllmServer:
         """BackendError with the end of the log if the server process has exited."""
         if self.process is not None and self.process.poll() is not None:
             code = self.process.returncode
-            raise BackendError(
-                f"vLLM exited with code {code} (log: {self.log_file}):\n{_tail(self.log_file)}"
-            )
+            raise BackendError(f"vLLM exited with code {code} (log: {self.log_file}):\n{_tail(self.log_file)}")
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""

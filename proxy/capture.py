@@ -92,10 +92,7 @@ class Capture:
                 choice.add_tool_call_delta(call)
 
     def completions(self) -> list[Completion]:
-        return [
-            Completion(i, c.token_ids, c.logprobs, c.finish_reason)
-            for i, c in sorted(self.choices.items())
-        ]
+        return [Completion(i, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(self.choices.items())]
 
     def assembled(self, chat: bool) -> dict[str, Any]:
         """A streamed answer in the shape the same call would have had without streaming."""

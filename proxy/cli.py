@@ -36,7 +36,9 @@ def _settings(**given: Any) -> Settings:
 @app.command()
 def serve(
     upstream: Annotated[str | None, typer.Option(help="attach to this OpenAI-compatible base URL (…/v1)")] = None,
-    model: Annotated[str | None, typer.Option(help="launch vLLM for this model: 'default', an HF dir or hub name")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="launch vLLM for this model: 'default', an HF dir or hub name")
+    ] = None,
     db: DbOption = None,
     host: Annotated[str | None, typer.Option(help="address to bind [default: 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option(help="port to bind [default: 8000]")] = None,
@@ -159,7 +161,9 @@ def sessions_show(session_id: str, db: DbOption = None) -> None:
 def export(
     out: Annotated[Path, typer.Option("--out", help="file to write")],
     db: DbOption = None,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl (parquet and hf come with the trajectory export)")] = "jsonl",
+    fmt: Annotated[
+        str, typer.Option("--format", help="jsonl (parquet and hf come with the trajectory export)")
+    ] = "jsonl",
     force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False,
 ) -> None:
     """Export every recorded call as one JSON object per line (token ids, logprobs, bodies)."""

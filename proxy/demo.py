@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import httpx
 from openai import OpenAI
 
 from proxy.app import create_app
-from proxy.server import ProxyThread, backend_for
+from proxy.server import AppThread, backend_for
 from proxy.settings import Settings
 
-ADD_TOOL = {
+ADD_TOOL: Any = {
     "type": "function",
     "function": {
         "name": "add",
@@ -37,20 +38,20 @@ def _add(arguments: str) -> str:
         args = json.loads(arguments)
         values = list(args.values()) if isinstance(args, dict) else list(args)
         return str(sum(int(v) for v in values))
-    except (ValueError, TypeError) as exc:
-        return f"error: {exc}"
+    except (ValueError, TypeError):
+        return f'error: add takes {{"a": <integer>, "b": <integer>}}, not {arguments}'
 
 
 def episode(client: OpenAI, model: str, a: int, b: int) -> str:
     """One agent episode through the proxy; returns the final answer."""
-    messages: list[dict] = [
+    messages: list[Any] = [
         {"role": "system", "content": "You are a careful assistant. Use the add tool for sums."},
         {"role": "user", "content": f"What is {a} + {b}?"},
     ]
     first = client.chat.completions.create(
         model=model,
-        messages=messages,  # type: ignore[arg-type]
-        tools=[ADD_TOOL],  # type: ignore[list-item]
+        messages=messages,
+        tools=[ADD_TOOL],
         tool_choice={"type": "function", "function": {"name": "add"}},
         max_tokens=48,
         temperature=0,
@@ -58,11 +59,16 @@ def episode(client: OpenAI, model: str, a: int, b: int) -> str:
     reply = first.choices[0].message
     messages.append(reply.model_dump(exclude_none=True))
     for call in reply.tool_calls or []:
-        result = _add(call.function.arguments)  # type: ignore[union-attr]
-        print(f"  tool call add({call.function.arguments}) -> {result}")  # type: ignore[union-attr]
+        arguments = call.function.arguments if call.type == "function" else ""
+        result = _add(arguments)
+        print(f"  tool call add({arguments}) -> {result}")
         messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=48, temperature=0, stream=True  # type: ignore[arg-type]
+        model=model,
+        messages=messages,
+        max_tokens=48,
+        temperature=0,
+        stream=True,
     )
     answer = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     print(f"  answer (streamed): {answer!r}")
@@ -70,12 +76,13 @@ def episode(client: OpenAI, model: str, a: int, b: int) -> str:
 
 
 def run_demo(settings: Settings) -> int:
-    with backend_for(settings) as (settings, _vllm), ProxyThread(create_app(settings)) as proxy:
+    with backend_for(settings) as (settings, _vllm), AppThread(create_app(settings)) as proxy:
         session = f"demo-{int(time.time())}"
         key = f"run=demo,task=add-17-25,group=add-17-25,id={session}"
         print(f"proxy on {proxy.url}/v1; session key {key!r}")
         client = OpenAI(base_url=f"{proxy.url}/v1", api_key=key)
-        answer = episode(client, settings.served_model_name or "", 17, 25)
+        model = settings.served_model_name or client.models.list().data[0].id
+        answer = episode(client, model, 17, 25)
         reward = 1.0 if "42" in answer else 0.0
         httpx.post(f"{proxy.url}/admin/sessions/{session}/reward", json={"value": reward, "source": "demo"})
         info = httpx.get(f"{proxy.url}/admin/sessions/{session}").json()

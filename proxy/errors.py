@@ -7,10 +7,12 @@ in the same JSON shape.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("rl_proxy.proxy")
@@ -65,26 +67,28 @@ def error_body(message: str, type_: str, code: str | int | None = None, param: s
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def json_response(data: object, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProxyError)
-    async def proxy_error(_: Request, exc: ProxyError) -> ORJSONResponse:
-        return ORJSONResponse(error_body(exc.message, exc.type, exc.code, exc.param), exc.status)
+    async def proxy_error(_: Request, exc: ProxyError) -> Response:
+        return json_response(error_body(exc.message, exc.type, exc.code, exc.param), exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> ORJSONResponse:
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
-        return ORJSONResponse(error_body(message, "invalid_request_error", param=where or None), 400)
+        return json_response(error_body(message, "invalid_request_error", param=where or None), 400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> ORJSONResponse:
+    async def http_error(_: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ORJSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+        return json_response(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> ORJSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ORJSONResponse(
-            error_body(f"internal proxy error ({type(exc).__name__})", "internal_error"), 500
-        )
+        return json_response(error_body(f"internal proxy error ({type(exc).__name__})", "internal_error"), 500)

@@ -8,15 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.calls = Counter(
-            "rlp_calls", "Model calls handled", ["api", "status"], registry=self.registry
-        )
-        self.tokens = Counter(
-            "rlp_tokens", "Tokens recorded", ["kind"], registry=self.registry
-        )
-        self.errors = Counter(
-            "rlp_errors", "Calls that failed, by cause", ["cause"], registry=self.registry
-        )
+        self.calls = Counter("rlp_calls", "Model calls handled", ["api", "status"], registry=self.registry)
+        self.tokens = Counter("rlp_tokens", "Tokens recorded", ["kind"], registry=self.registry)
+        self.errors = Counter("rlp_errors", "Calls that failed, by cause", ["cause"], registry=self.registry)
         self.latency = Histogram(
             "rlp_call_latency_seconds",
             "Latency of model calls through the proxy",
@@ -24,9 +18,7 @@ class Metrics:
             buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=self.registry,
         )
-        self.queue_depth = Gauge(
-            "rlp_recorder_queue_depth", "Writes waiting for the recorder", registry=self.registry
-        )
+        self.queue_depth = Gauge("rlp_recorder_queue_depth", "Writes waiting for the recorder", registry=self.registry)
         self.record_failures = Gauge(
             "rlp_record_failures", "Writes the recorder could not commit", registry=self.registry
         )

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
+import anyio
 import orjson
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from proxy.capture import Capture, client_view
 from proxy.errors import (
@@ -25,6 +27,7 @@ from proxy.errors import (
     Unauthorized,
     UpstreamUnreachable,
     error_body,
+    json_response,
 )
 from proxy.sessions import parse_key, request_key
 from proxy.state import ProxyState
@@ -60,9 +63,9 @@ async def completions(request: Request) -> Response:
 
 @router.get("/models")
 async def models(request: Request) -> Response:
-    state: ProxyState = request.app.state.rlp
-    resp = await state.upstream.send("GET", "/models")
-    return Response(resp.content, resp.status_code, media_type="application/json")
+    upstream = request.app.state.rlp.upstream
+    resp = await upstream.send("GET", "/models")
+    return Response(await upstream.read(resp), resp.status, media_type="application/json")
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -169,79 +172,76 @@ async def forward(request: Request, api: Api) -> Response:
     elif body.get("logprobs") is None:
         upstream_body["logprobs"] = 0
     try:
-        resp = await state.upstream.send("POST", api.path, upstream_body, stream=stream)
+        resp = await state.upstream.send("POST", api.path, upstream_body)
+        raw = b"" if stream and resp.ok else await state.upstream.read(resp)
     except ProxyError as exc:
         await call.commit(call.record(Capture(), None, exc.status, exc.message))
         raise
-    if not resp.is_success:
-        return await _upstream_error(call, resp)
+    if not resp.ok:
+        return await _upstream_error(call, resp.status, raw)
     if stream:
-        return StreamingResponse(
-            _relay(call, resp, keep_tokens, keep_logprobs), media_type="text/event-stream"
-        )
+        return StreamingResponse(_relay(call, resp, keep_tokens, keep_logprobs), media_type="text/event-stream")
     try:
-        data = resp.json()
-    except ValueError as exc:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         await call.commit(call.record(Capture(), None, 502, "upstream answered with invalid JSON"))
         raise UpstreamUnreachable(f"upstream answered with invalid JSON: {exc}") from exc
     capture = Capture()
     capture.add_response(data)
     client_view(data, keep_tokens, keep_logprobs)
-    await call.commit(call.record(capture, data, resp.status_code))
-    return ORJSONResponse(data, resp.status_code)
+    await call.commit(call.record(capture, data, resp.status))
+    return json_response(data, resp.status)
 
 
-async def _upstream_error(call: Call, resp: httpx.Response) -> Response:
+async def _upstream_error(call: Call, status: int, raw: bytes) -> Response:
     """Pass the upstream's own error through (it is already in the OpenAI shape) and record it."""
-    raw = await resp.aread()
-    await resp.aclose()
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        data = error_body(raw.decode(errors="replace")[:2000], "upstream_error", resp.status_code)
+        data = error_body(raw.decode(errors="replace")[:2000], "upstream_error", status)
     message = str((data.get("error") or {}).get("message", data)) if isinstance(data, dict) else str(data)
-    await call.commit(call.record(Capture(), data, resp.status_code, message))
-    return ORJSONResponse(data, resp.status_code)
+    await call.commit(call.record(Capture(), data, status, message))
+    return json_response(data, status)
 
 
-async def _relay(call: Call, resp: httpx.Response, keep_tokens: bool, keep_logprobs: bool):  # type: ignore[no-untyped-def]
+async def _relay(
+    call: Call, resp: aiohttp.ClientResponse, keep_tokens: bool, keep_logprobs: bool
+) -> AsyncIterator[bytes]:
     """Relay the upstream's SSE chunk by chunk; record before the final `[DONE]`."""
     capture = Capture()
-    error: str | None = None
-    finished = False
+    status, error = 499, "client disconnected"  # what stands if the client goes away mid-stream
+    unrecorded: ProxyError | None = None
     try:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+        upstream_error = None
+        async for line in resp.content:
+            if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
-            if payload == "[DONE]":
+            if payload == b"[DONE]":
                 break
             chunk = orjson.loads(payload)
             if "error" in chunk:
-                error = str(chunk["error"].get("message", chunk["error"]))
+                upstream_error = str(chunk["error"].get("message", chunk["error"]))
             else:
                 capture.add_chunk(chunk)
                 client_view(chunk, keep_tokens, keep_logprobs)
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         else:
-            error = error or "upstream closed the stream before [DONE]"
-        finished = True
-    except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
-        error = f"upstream stream failed: {exc!r}"
-        finished = True
+            upstream_error = upstream_error or "upstream closed the stream before [DONE]"
+        status, error = (200, "") if upstream_error is None else (502, upstream_error)
+    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+        status, error = 502, f"upstream stream failed: {exc!r}"
         yield b"data: " + orjson.dumps(error_body(error, "upstream_error", 502)) + b"\n\n"
     finally:
-        if not finished:  # the client went away; awaiting here would be cancelled again
-            call.state.store.record_nowait(
-                call.record(capture, capture.assembled(call.api.chat), 499, "client disconnected")
-            )
-            asyncio.ensure_future(resp.aclose())
-    await resp.aclose()
-    status = 200 if error is None else 502
-    try:
-        await call.commit(call.record(capture, capture.assembled(call.api.chat), status, error))
-    except ProxyError as exc:
-        yield b"data: " + orjson.dumps(error_body(exc.message, exc.type)) + b"\n\n"
-        return
-    if error is None:
+        # Shielded: a client that goes away cancels this generator, and the call must still be
+        # recorded with the tokens received so far.
+        with anyio.CancelScope(shield=True):
+            resp.release()
+            try:
+                await call.commit(call.record(capture, capture.assembled(call.api.chat), status, error or None))
+            except ProxyError as exc:
+                unrecorded = exc
+    if unrecorded is not None:
+        yield b"data: " + orjson.dumps(error_body(unrecorded.message, unrecorded.type)) + b"\n\n"
+    elif not error:
         yield b"data: [DONE]\n\n"

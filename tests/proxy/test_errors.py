@@ -1,0 +1,109 @@
+"""Bad input and upstream failures: each gets the OpenAI error shape with the right status,
+never a traceback; the proxy keeps serving and nothing recorded before is lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from proxy.backend import free_port
+from proxy.server import AppThread
+from tests.conftest import RunningProxy, Upstream
+from tests.stub_upstream import MODEL, stub_app
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def assert_openai_error(resp: httpx.Response, status: int, mentions: str) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) >= {"message", "type", "code"}
+    assert mentions in error["message"]
+    assert "Traceback" not in resp.text
+    return error  # type: ignore[no-any-return]
+
+
+@pytest.mark.vllm
+def test_bad_requests_then_good_ones_and_nothing_lost(proxy: RunningProxy, vllm: Upstream) -> None:
+    url = f"{proxy.v1}/chat/completions"
+    good = {"model": vllm.model, "messages": CHAT, "max_tokens": 2}
+    client = OpenAI(base_url=proxy.v1, api_key="s-errors")
+    client.chat.completions.create(**good)  # type: ignore[call-overload]
+    headers = {"Authorization": "Bearer s-errors", "Content-Type": "application/json"}
+    assert_openai_error(httpx.post(url, content=b"{not json", headers=headers), 400, "not valid JSON")
+    assert_openai_error(httpx.post(url, content=b"[1, 2]", headers=headers), 400, "JSON object")
+    error = assert_openai_error(httpx.post(url, json={"model": vllm.model}, headers=headers), 400, "messages")
+    assert error["param"] == "messages"
+    assert_openai_error(httpx.post(url, json={**good, "model": 3}, headers=headers), 400, "model")
+    assert_openai_error(httpx.post(url, json={**good, "stream": "yes"}, headers=headers), 400, "stream")
+    assert_openai_error(
+        httpx.post(f"{proxy.v1}/completions", json={"model": vllm.model}, headers=headers), 400, "prompt"
+    )
+    assert_openai_error(httpx.post(url, json={**good, "model": "no-such-model"}, headers=headers), 404, "no-such-model")
+    # An error of the upstream's own (context too small for max_tokens) passes through as is.
+    assert_openai_error(
+        httpx.post(url, json={**good, "max_tokens": 10**6}, headers=headers, timeout=60), 400, "max_tokens"
+    )
+    assert_openai_error(httpx.get(f"{proxy.url}/v1/nothing-here", headers=headers), 404, "Not Found")
+    client.chat.completions.create(**good)  # type: ignore[call-overload]
+
+    calls = proxy.calls("s-errors")
+    assert [c.seq for c in calls] == [1, 2, 3, 4]
+    assert [c.ok for c in calls] == [True, False, False, True]
+    assert [c.http_status for c in calls] == [200, 404, 400, 200]
+    assert calls[0].completions[0].token_ids and calls[3].completions[0].token_ids
+
+
+@pytest.mark.vllm
+def test_body_over_the_limit_is_413(make_proxy: Any, vllm: Upstream) -> None:
+    proxy = make_proxy(vllm.url, max_body_bytes=2000)
+    big = {"model": vllm.model, "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_openai_error(httpx.post(f"{proxy.v1}/chat/completions", json=big), 413, "limit of 2000 bytes")
+
+    def chunked():  # type: ignore[no-untyped-def]
+        yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+        yield b"x" * 5000
+        yield b'"}]}'
+
+    no_length = httpx.post(f"{proxy.v1}/chat/completions", content=chunked())
+    assert_openai_error(no_length, 413, "over the limit")
+    assert proxy.calls() == []
+
+
+def test_unreachable_upstream_is_502_and_recorded(make_proxy: Any) -> None:
+    proxy = make_proxy(f"http://127.0.0.1:{free_port()}/v1")
+    client = OpenAI(base_url=proxy.v1, api_key="s-down", max_retries=0)
+    with pytest.raises(Exception) as info:
+        client.chat.completions.create(model="m", messages=CHAT)  # type: ignore[arg-type]
+    assert getattr(info.value, "status_code", None) == 502
+    [call] = proxy.calls("s-down")
+    assert not call.ok and call.http_status == 502 and "unreachable" in (call.error or "")
+    assert call.request["messages"] == CHAT
+
+
+def test_slow_upstream_is_504_and_the_proxy_keeps_serving(make_proxy: Any) -> None:
+    with AppThread(stub_app(latency=2.0)) as slow, AppThread(stub_app(latency=0.0)) as fast:
+        proxy = make_proxy(f"{slow.url}/v1", upstream_timeout=0.3)
+        body = {"model": MODEL, "messages": CHAT}
+        assert_openai_error(httpx.post(f"{proxy.v1}/chat/completions", json=body, timeout=10), 504, "timed out")
+        healthy = make_proxy(f"{fast.url}/v1")
+        assert httpx.post(f"{healthy.v1}/chat/completions", json=body).status_code == 200
+        assert httpx.get(f"{proxy.url}/healthz").json()["status"] == "ok"
+    [call] = proxy.calls()
+    assert not call.ok and call.http_status == 504
+
+
+def test_unknown_sessions_rejected_when_configured(make_proxy: Any) -> None:
+    with AppThread(stub_app()) as stub:
+        proxy = make_proxy(f"{stub.url}/v1", create_sessions=False)
+        body = {"model": MODEL, "messages": CHAT}
+        resp = httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"Authorization": "Bearer who"})
+        assert_openai_error(resp, 401, "unknown session")
+        created = httpx.post(f"{proxy.url}/admin/sessions", json={"run": "r"}).json()
+        ok = httpx.post(f"{created['base_url']}/chat/completions", json=body,
+                        headers={"Authorization": f"Bearer {created['key']}"})  # fmt: skip
+        assert ok.status_code == 200
+    assert [c.session_id for c in proxy.calls()] == [created["id"]]

@@ -1,0 +1,66 @@
+"""Pure parts of the proxy on hand-built input: session keys, token capture, client view."""
+
+from __future__ import annotations
+
+from proxy.capture import Capture, client_view
+from proxy.sessions import parse_key
+
+
+def test_plain_key_names_the_session() -> None:
+    info = parse_key("sk-abc")
+    assert (info.id, info.key, info.run, info.metadata) == ("sk-abc", "sk-abc", None, {})
+
+
+def test_labelled_key() -> None:
+    info = parse_key("run=exp1, task=t7,group=t7-a,id=ep3,seed=4")
+    assert (info.id, info.run, info.task_id, info.group_id) == ("ep3", "exp1", "t7", "t7-a")
+    assert info.metadata == {"seed": "4"}
+    assert parse_key("run=exp1,task=t7").id == "run=exp1,task=t7"
+    assert parse_key("a=b,garbage").id == "a=b,garbage"  # not all pairs: an opaque key
+    assert parse_key("a=b,garbage").run is None
+
+
+def test_stream_capture_assembles_tool_calls_and_tokens() -> None:
+    capture = Capture()
+    chunks = [
+        {"id": "c1", "model": "m", "prompt_token_ids": [1, 2, 3],
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "t1", "type": "function",
+                                                            "function": {"name": "add"}}]},
+                      "token_ids": [10, 11], "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1'}}]},
+                      "token_ids": [12], "logprobs": {"content": [{"logprob": -0.5}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
+                      "token_ids": [2], "logprobs": {"content": [{"logprob": -0.1}]},
+                      "finish_reason": "tool_calls"}]},
+    ]  # fmt: skip
+    for chunk in chunks:
+        capture.add_chunk(chunk)
+    [completion] = capture.completions()
+    assert capture.prompt_token_ids == [1, 2, 3]
+    assert completion.token_ids == [10, 11, 12, 2]
+    assert completion.logprobs == [-1.0, -2.0, -0.5, -0.1]
+    assert completion.finish_reason == "tool_calls"
+    message = capture.assembled(chat=True)["choices"][0]["message"]
+    assert message["tool_calls"] == [
+        {"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    ]
+    assert message["content"] is None
+
+
+def test_text_completion_capture() -> None:
+    capture = Capture()
+    choice = {"index": 0, "text": "4", "prompt_token_ids": [5, 6], "token_ids": [7],
+              "logprobs": {"token_logprobs": [-0.25]}, "finish_reason": "length"}  # fmt: skip
+    capture.add_response({"choices": [choice]})
+    assert capture.prompt_token_ids == [5, 6]
+    assert capture.completions()[0].logprobs == [-0.25]
+
+
+def test_client_view_nulls_only_what_was_not_asked() -> None:
+    body = {"prompt_token_ids": [1], "choices": [{"token_ids": [2], "logprobs": {"content": []}}]}
+    assert client_view(body, keep_tokens=False, keep_logprobs=True) == {
+        "prompt_token_ids": None, "choices": [{"token_ids": None, "logprobs": {"content": []}}]
+    }  # fmt: skip
+    chunk = {"choices": [{"delta": {}, "logprobs": {"content": [{"logprob": -1}]}}]}
+    assert client_view(chunk, keep_tokens=True, keep_logprobs=False) == {"choices": [{"delta": {}, "logprobs": None}]}

@@ -1,0 +1,124 @@
+"""The store on a temporary SQLite file, with hand-built records."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from datetime import timedelta
+from pathlib import Path
+
+import orjson
+import pytest
+
+from recorder import CallRecord, Completion, SessionInfo, Store
+from recorder.export import export_calls_jsonl
+from recorder.schema import pack, unpack
+from recorder.store import SchemaMismatch, SessionConflict, async_url, utcnow
+
+
+def call(session: str, seq: int, tokens: list[int], ok: bool = True) -> CallRecord:
+    now = utcnow()
+    return CallRecord(
+        session_id=session, seq=seq, api="chat.completions", model="m", upstream="http://u/v1",
+        stream=False, request={"messages": [{"role": "user", "content": f"{session}/{seq}"}]},
+        response={"id": f"r{seq}"}, ok=ok, http_status=200 if ok else 502, error=None if ok else "down",
+        prompt_token_ids=[1, 2, 3, seq], completions=[Completion(0, tokens, [-0.5] * len(tokens), "stop")],
+        policy_version="v1", policy_version_end="v2", started_at=now, finished_at=now + timedelta(milliseconds=5),
+    )  # fmt: skip
+
+
+def test_packing_round_trips_exactly() -> None:
+    ids = [0, 1, 49151, 2**31 - 1, 7]
+    assert unpack(pack(ids, "i"), "i") == ids
+    logprobs = [-0.0, -1.5, -12.25, -1e-8]
+    assert unpack(pack(logprobs, "f"), "f") == pytest.approx(logprobs, rel=1e-6)
+    assert len(pack(ids, "i")) == 4 * len(ids)
+
+
+def test_async_url_accepts_paths_and_sync_drivers(tmp_path: Path) -> None:
+    assert async_url(str(tmp_path / "a.db")) == f"sqlite+aiosqlite:///{tmp_path / 'a.db'}"
+    assert async_url("sqlite:////x/y.db") == "sqlite+aiosqlite:////x/y.db"
+    assert async_url("postgresql://u:p@h/db") == "postgresql+asyncpg://u:p@h/db"
+
+
+async def test_calls_sessions_and_rewards_round_trip(tmp_path: Path) -> None:
+    db = str(tmp_path / "s.db")
+    async with Store(db) as store:
+        info = await store.resolve_session(SessionInfo(id="a", key="key-a", run="r", task_id="t"))
+        assert await store.resolve_session(SessionInfo(id="a", key="key-a")) == info
+        await asyncio.gather(*(store.record(call("a", store.next_seq("a"), [i, i + 1])) for i in range(40)))
+        await store.add_reward("a", 1.0, "verifier")
+        await store.add_reward("a", -0.25, "judge")
+        assert store.committed_batches < 40  # grouped commits
+    async with Store(db) as store:  # reopened: everything is there, numbering continues
+        [session] = await store.list_sessions()
+        assert (session.calls, session.reward, session.run, session.task_id) == (40, 0.75, "r", "t")
+        calls = [c async for c in store.iter_calls("a", batch=7)]
+        assert [c.seq for c in calls] == list(range(1, 41))
+        assert calls[5].completions[0].token_ids == [5, 6]
+        assert calls[5].prompt_token_ids == [1, 2, 3, 6]
+        assert calls[5].latency_ms == pytest.approx(5.0)
+        assert (calls[5].policy_version, calls[5].policy_version_end) == ("v1", "v2")
+        await store.session_by_key("key-a")
+        assert store.next_seq("a") == 41
+
+
+async def test_one_bad_write_loses_no_other(tmp_path: Path) -> None:
+    async with Store(str(tmp_path / "s.db")) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        good = [store.record_nowait(call("a", i, [i])) for i in range(1, 4)]
+        orphan = store.record_nowait(call("no-such-session", 1, [9]))  # foreign key fails
+        dup = store.record_nowait(call("a", 2, [9]))  # (session, seq) taken
+        await asyncio.gather(*good)
+        for bad in (orphan, dup):
+            with pytest.raises(Exception, match=r"(?i)constraint"):
+                await bad
+        assert store.write_failures == 2
+        assert [c.completions[0].token_ids async for c in store.iter_calls()] == [[1], [2], [3]]
+
+
+async def test_session_conflicts_are_named(tmp_path: Path) -> None:
+    async with Store(str(tmp_path / "s.db")) as store:
+        await store.create_session(SessionInfo(id="a", key="k1"))
+        with pytest.raises(SessionConflict, match="id 'a'"):
+            await store.create_session(SessionInfo(id="a", key="k2"))
+        with pytest.raises(SessionConflict, match="key 'k1'"):
+            await store.create_session(SessionInfo(id="b", key="k1"))
+
+
+async def test_token_arrays_are_stored_packed(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    async with Store(str(db)) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        await store.record(call("a", 1, list(range(1000))))
+    blob = sqlite3.connect(db).execute("select token_ids from completions").fetchone()[0]
+    assert isinstance(blob, bytes) and len(blob) == 4000
+
+
+async def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    async with Store(str(db)):
+        pass
+    with sqlite3.connect(db) as conn:
+        conn.execute("insert into schema_version values (99)")
+    with pytest.raises(SchemaMismatch, match="99"):
+        async with Store(str(db)):
+            pass
+
+
+async def test_export_jsonl_has_the_documented_fields(tmp_path: Path) -> None:
+    out = tmp_path / "calls.jsonl"
+    async with Store(str(tmp_path / "s.db")) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        for i in range(1, 4):
+            await store.record(call("a", i, [i, 2]))
+        rows = []
+        assert await export_calls_jsonl(store, out, lambda: rows.append(1)) == 3
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert len(lines) == len(rows) == 3
+    first = lines[0]
+    for name in ("session_id", "seq", "api", "prompt_token_ids", "completion_token_ids", "logprobs",
+                 "policy_version", "request", "response"):  # fmt: skip
+        assert name in first
+    assert first["completion_token_ids"] == [1, 2] and first["logprobs"] == [-0.5, -0.5]
+    assert first["request"]["messages"][0]["content"] == "a/1"

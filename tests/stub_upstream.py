@@ -1,0 +1,75 @@
+"""A stub upstream (NOT vLLM): answers Chat Completions in vLLM's shape after a fixed delay.
+
+Named as a stub everywhere it is used. It serves the proxy-overhead benchmark (where a
+fixed latency makes the proxy's own cost measurable) and fault injection in tests (slow
+answers). Token ids are fake but well-formed: the prompt's length in ids, 8 completion ids.
+Run alone: python -m tests.stub_upstream --port 9000 --latency 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+
+MODEL = "stub-model"
+COMPLETION = [101, 102, 103, 104, 105, 106, 107, 2]
+
+
+def _choice(stream: bool, index: int, text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": token_ids}
+    body["logprobs"] = {
+        "content": [{"token": str(t), "logprob": -0.5, "bytes": [], "top_logprobs": []} for t in token_ids]
+    }
+    if stream:
+        body["delta"] = {"role": "assistant", "content": text}
+    else:
+        body["message"] = {"role": "assistant", "content": text}
+    return body
+
+
+def stub_app(latency: float = 0.0) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        await asyncio.sleep(latency)
+        prompt = list(range(1, 1 + len(orjson.dumps(body.get("messages"))) // 4))
+        head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
+        if not body.get("stream"):
+            out = {**head, "object": "chat.completion", "prompt_token_ids": prompt,
+                   "choices": [_choice(False, 0, "stub answer", COMPLETION, "stop")],
+                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)}}  # fmt: skip
+            return Response(orjson.dumps(out), media_type="application/json")
+
+        async def events():  # type: ignore[no-untyped-def]
+            chunk = {**head, "object": "chat.completion.chunk", "prompt_token_ids": prompt}
+            for i, token in enumerate(COMPLETION):
+                finish = "stop" if i == len(COMPLETION) - 1 else None
+                chunk["choices"] = [_choice(True, 0, f"t{token} ", [token], finish)]
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                chunk.pop("prompt_token_ids", None)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--latency", type=float, default=0.0)
+    args = parser.parse_args()
+    uvicorn.run(stub_app(args.latency), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)

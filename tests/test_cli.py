@@ -1,0 +1,78 @@
+"""The command line: every command documents itself; sessions and export on a real store."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from proxy.cli import app
+from recorder import SessionInfo, Store
+from tests.recorder.test_store import call
+
+runner = CliRunner()
+COMMANDS = [[], ["serve"], ["demo"], ["model"], ["model", "prepare"], ["sessions"], ["sessions", "list"],
+            ["sessions", "show"], ["export"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "rl-proxy")
+def test_every_command_has_help(command: list[str]) -> None:
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output and len(result.output.splitlines()) > 5
+
+
+def test_console_script_installed() -> None:
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "serve" in done.stdout
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    path = str(tmp_path / "cli.db")
+
+    async def fill() -> None:
+        async with Store(path) as store:
+            await store.resolve_session(SessionInfo(id="ep-1", key="k1", run="exp"))
+            await store.resolve_session(SessionInfo(id="ep-empty", key="k2", run="exp"))
+            for seq in (1, 2):
+                await store.record(call("ep-1", seq, [seq, 7, 2]))
+            await store.add_reward("ep-1", 1.0, "verifier")
+
+    asyncio.run(fill())
+    return path
+
+
+def test_sessions_list_and_show(db: str) -> None:
+    listed = runner.invoke(app, ["sessions", "list", "--db", db])
+    assert listed.exit_code == 0 and "ep-1" in listed.output
+    assert "1 session(s) have no calls" in listed.output and "ep-empty" in listed.output
+    shown = runner.invoke(app, ["sessions", "show", "ep-1", "--db", db], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0
+    assert "chat.completions" in shown.output and "stop" in shown.output
+    missing = runner.invoke(app, ["sessions", "show", "nope", "--db", db])
+    assert missing.exit_code == 1 and "no session" in missing.output
+
+
+def test_export_jsonl_and_refuses_to_overwrite(db: str, tmp_path: Path) -> None:
+    out = tmp_path / "calls.jsonl"
+    first = runner.invoke(app, ["export", "--db", db, "--format", "jsonl", "--out", str(out)])
+    assert first.exit_code == 0 and "wrote 2 calls" in first.output
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [(r["session_id"], r["seq"], r["completion_token_ids"]) for r in rows] == [
+        ("ep-1", 1, [1, 7, 2]), ("ep-1", 2, [2, 7, 2])
+    ]  # fmt: skip
+    again = runner.invoke(app, ["export", "--db", db, "--out", str(out)])
+    assert again.exit_code != 0 and "--force" in again.output
+    assert runner.invoke(app, ["export", "--db", db, "--out", str(out), "--force"]).exit_code == 0
+    assert runner.invoke(app, ["export", "--db", db, "--out", str(out), "--format", "xml", "--force"]).exit_code != 0
+
+
+def test_serve_refuses_open_admin_off_loopback() -> None:
+    result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:1/v1", "--host", "0.0.0.0"])
+    assert result.exit_code != 0 and "admin-token" in result.output

