@@ -209,7 +209,8 @@ async def _relay(
 ) -> AsyncIterator[bytes]:
     """Relay the upstream's SSE chunk by chunk; record before the final `[DONE]`."""
     capture = Capture()
-    status, error = 499, "client disconnected"  # what stands if the client goes away mid-stream
+    status: int = 499  # what stands if the client goes away mid-stream
+    error: str | None = "client disconnected"
     unrecorded: ProxyError | None = None
     try:
         upstream_error = None
@@ -228,7 +229,7 @@ async def _relay(
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         else:
             upstream_error = upstream_error or "upstream closed the stream before [DONE]"
-        status, error = (200, "") if upstream_error is None else (502, upstream_error)
+        status, error = (200, None) if upstream_error is None else (502, upstream_error)
     except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
         status, error = 502, f"upstream stream failed: {exc!r}"
         yield b"data: " + orjson.dumps(error_body(error, "upstream_error", 502)) + b"\n\n"
@@ -238,10 +239,10 @@ async def _relay(
         with anyio.CancelScope(shield=True):
             resp.release()
             try:
-                await call.commit(call.record(capture, capture.assembled(call.api.chat), status, error or None))
+                await call.commit(call.record(capture, capture.assembled(call.api.chat), status, error))
             except ProxyError as exc:
                 unrecorded = exc
     if unrecorded is not None:
         yield b"data: " + orjson.dumps(error_body(unrecorded.message, unrecorded.type)) + b"\n\n"
-    elif not error:
+    elif error is None:
         yield b"data: [DONE]\n\n"

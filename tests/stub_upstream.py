@@ -2,7 +2,7 @@
 
 Named as a stub everywhere it is used. It serves the proxy-overhead benchmark (where a
 fixed latency makes the proxy's own cost measurable) and fault injection in tests (slow
-answers). Token ids are fake but well-formed: the prompt's length in ids, 8 completion ids.
+answers, slow streams). Token ids are fake but well-formed: the prompt's length in ids, 8 completion ids.
 Run alone: python -m tests.stub_upstream --port 9000 --latency 0.02
 """
 
@@ -34,7 +34,7 @@ def _choice(stream: bool, index: int, text: str, token_ids: list[int], finish: s
     return body
 
 
-def stub_app(latency: float = 0.0) -> FastAPI:
+def stub_app(latency: float = 0.0, token_delay: float = 0.0) -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -60,6 +60,7 @@ def stub_app(latency: float = 0.0) -> FastAPI:
                 chunk["choices"] = [_choice(True, 0, f"t{token} ", [token], finish)]
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 chunk.pop("prompt_token_ids", None)
+                await asyncio.sleep(token_delay)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -3,6 +3,7 @@ never a traceback; the proxy keeps serving and nothing recorded before is lost."
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -107,3 +108,19 @@ def test_unknown_sessions_rejected_when_configured(make_proxy: Any) -> None:
                         headers={"Authorization": f"Bearer {created['key']}"})  # fmt: skip
         assert ok.status_code == 200
     assert [c.session_id for c in proxy.calls()] == [created["id"]]
+
+
+def test_client_leaving_mid_stream_is_recorded_with_the_tokens_so_far(make_proxy: Any) -> None:
+    with AppThread(stub_app(token_delay=0.3)) as stub:
+        proxy = make_proxy(f"{stub.url}/v1")
+        body = {"model": MODEL, "messages": CHAT, "stream": True}
+        with httpx.stream("POST", f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "s-gone"}) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # one token, then leave
+        deadline = time.monotonic() + 10
+        while not proxy.calls("s-gone") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    [call] = proxy.calls("s-gone")
+    assert not call.ok and call.http_status == 499 and call.error == "client disconnected"
+    assert 1 <= len(call.completions[0].token_ids) < 8
+    assert call.prompt_token_ids
