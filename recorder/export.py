@@ -3,47 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from recorder.records import CallRecord
+from recorder.records import CallRecord, Completion
 from recorder.store import Store
 
 
 def call_json(call: CallRecord) -> dict[str, Any]:
     """A call as an export row; the first choice's tokens are also at the top level."""
-    first = call.completions[0] if call.completions else None
+    first = call.completions[0] if call.completions else Completion(0, [], [], None)
     return {
-        "session_id": call.session_id,
-        "seq": call.seq,
-        "api": call.api,
-        "model": call.model,
-        "upstream": call.upstream,
-        "stream": call.stream,
-        "ok": call.ok,
-        "http_status": call.http_status,
-        "error": call.error,
-        "policy_version": call.policy_version,
-        "policy_version_end": call.policy_version_end,
+        **call.flat(),
         "started_at": call.started_at.isoformat(),
-        "latency_ms": round(call.latency_ms, 3),
-        "prompt_token_ids": call.prompt_token_ids,
-        "completion_token_ids": first.token_ids if first else [],
-        "logprobs": first.logprobs if first else [],
-        "finish_reason": first.finish_reason if first else None,
-        "completions": [
-            {
-                "index": c.index,
-                "token_ids": c.token_ids,
-                "logprobs": c.logprobs,
-                "finish_reason": c.finish_reason,
-            }
-            for c in call.completions
-        ],
-        "request": call.request,
-        "response": call.response,
+        "finished_at": call.finished_at.isoformat(),
+        "completion_token_ids": first.token_ids,
+        "logprobs": first.logprobs,
+        "finish_reason": first.finish_reason,
+        "completions": [asdict(c) for c in call.completions],
     }
 
 

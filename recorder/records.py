@@ -6,7 +6,7 @@ These frozen dataclasses are the contract between the proxy (which fills them), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -52,6 +52,12 @@ class CallRecord:
     @property
     def latency_ms(self) -> float:
         return (self.finished_at - self.started_at).total_seconds() * 1000.0
+
+    def flat(self) -> dict[str, Any]:
+        """Every field but the completions, and the latency: one row of the `calls` table."""
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "completions"}
+        row["latency_ms"] = self.latency_ms
+        return row
 
 
 @dataclass(frozen=True)

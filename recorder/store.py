@@ -94,34 +94,12 @@ def _session_info(row: SessionRow, reward: float | None = None, calls: int = 0) 
     )
 
 
-def _call_values(call: CallRecord) -> dict[str, Any]:
-    return {
-        "session_id": call.session_id,
-        "seq": call.seq,
-        "api": call.api,
-        "model": call.model,
-        "upstream": call.upstream,
-        "stream": call.stream,
-        "ok": call.ok,
-        "http_status": call.http_status,
-        "error": call.error,
-        "request": call.request,
-        "response": call.response,
-        "prompt_token_ids": call.prompt_token_ids,
-        "policy_version": call.policy_version,
-        "policy_version_end": call.policy_version_end,
-        "started_at": call.started_at,
-        "finished_at": call.finished_at,
-        "latency_ms": call.latency_ms,
-    }
-
-
 def _insert_calls(conn: Connection, calls: list[CallRecord]) -> None:
     """Bulk-insert calls and their completions: two statements for a whole batch."""
     ids = (
         conn.execute(
             insert(CallRow).returning(CallRow.id, sort_by_parameter_order=True),
-            [_call_values(c) for c in calls],
+            [c.flat() for c in calls],
         )
         .scalars()
         .all()
