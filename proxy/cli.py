@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +17,8 @@ from rich.table import Table
 
 from proxy.settings import LOOPBACK, Settings, default_db
 from recorder import SessionInfo, Store
+from recorder.report import session_lines, summarise
+from recorder.trajectories import build_sequences
 
 app = typer.Typer(help="Record any agent harness through an OpenAI-compatible proxy, for RL.")
 model_app = typer.Typer(help="Prepare models for vLLM and the trainer.")
@@ -127,9 +131,27 @@ def sessions_list(
         console.print(f"[yellow]{len(empty)} session(s) have no calls[/yellow]: {', '.join(empty[:10])}")
 
 
+TokenizerOption = Annotated[
+    str | None, typer.Option(help="tokenizer to decode token windows [default: the default model's, if prepared]")
+]
+
+
+def _decoder(tokenizer: str | None) -> Callable[[list[int]], str] | None:
+    """Decode token ids for reports, with the given tokenizer or the default model's."""
+    from trainer.model import default_model_dir
+
+    source = tokenizer or (str(default_model_dir()) if default_model_dir().exists() else None)
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source)
+    return lambda ids: str(tok.decode(ids))
+
+
 @sessions_app.command("show")
-def sessions_show(session_id: str, db: DbOption = None) -> None:
-    """Show one session and each of its calls (tokens, finish reason, latency, policy version)."""
+def sessions_show(session_id: str, db: DbOption = None, tokenizer: TokenizerOption = None) -> None:
+    """Show one session, each of its calls, and how they merge into training sequences."""
 
     async def work(store: Store) -> tuple[SessionInfo | None, list[Any]]:
         return await store.get_session(session_id), [c async for c in store.iter_calls(session_id)]
@@ -155,34 +177,66 @@ def sessions_show(session_id: str, db: DbOption = None) -> None:
             console.print(f"[red]call {c.seq}:[/red] {c.error}")
     if not calls:
         console.print("[yellow]no calls recorded: does the harness use the proxy's base URL?[/yellow]")
+        return
+    report = build_sequences(calls, info)
+    decode = _decoder(tokenizer) if report.breaks else None
+    console.print("\n".join(session_lines(report, decode)), markup=False, highlight=False)
+
+
+@app.command()
+def report(db: DbOption = None, run: Annotated[str | None, typer.Option(help="only this run")] = None) -> None:
+    """Summarise a run: sessions, calls, training sequences, merge breaks by reason, rewards."""
+
+    async def work(store: Store) -> Any:
+        sessions = await store.list_sessions(run=run)
+        reports = []
+        for s in sessions:
+            reports.append(build_sequences([c async for c in store.iter_calls(s.id)], s))
+        return summarise(reports, {s.id: s.reward for s in sessions})
+
+    console.print("\n".join(_with_store(db, work).lines()), markup=False, highlight=False)
 
 
 @app.command()
 def export(
-    out: Annotated[Path, typer.Option("--out", help="file to write")],
+    out: Annotated[Path, typer.Option("--out", help="file to write (a directory for --format hf)")],
     db: DbOption = None,
-    fmt: Annotated[
-        str, typer.Option("--format", help="jsonl (parquet and hf come with the trajectory export)")
-    ] = "jsonl",
+    kind: Annotated[
+        str, typer.Option(help="calls (raw records), rl (training sequences) or sft (conversations)")
+    ] = "calls",
+    fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet or hf (datasets.save_to_disk)")] = "jsonl",
+    run: Annotated[str | None, typer.Option(help="only this run")] = None,
+    task: Annotated[str | None, typer.Option(help="only this task id")] = None,
+    since: Annotated[datetime | None, typer.Option(help="only calls started at or after (UTC)")] = None,
+    until: Annotated[datetime | None, typer.Option(help="only calls started before (UTC)")] = None,
+    min_reward: Annotated[float | None, typer.Option(help="only sessions with at least this reward")] = None,
+    api: Annotated[str | None, typer.Option(help="only calls of this API (chat.completions, completions)")] = None,
+    merge: Annotated[bool, typer.Option(help="rl/sft: merge turns on token prefixes (else one per call)")] = True,
     force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False,
 ) -> None:
-    """Export every recorded call as one JSON object per line (token ids, logprobs, bodies)."""
-    from recorder.export import export_calls_jsonl
+    """Export recorded data: raw calls, RL training sequences or SFT conversations."""
+    from recorder.export import FORMATS, KINDS, Filter
+    from recorder.export import export as run_export
 
-    if fmt != "jsonl":
-        raise typer.BadParameter(f"format {fmt!r} is not supported yet; use jsonl")
+    if kind not in KINDS:
+        raise typer.BadParameter(f"--kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if out.exists() and not force:
         raise typer.BadParameter(f"{out} exists; add --force to overwrite")
+    where = Filter(run=run, task_id=task, since=since, until=until, min_reward=min_reward, api=api)
 
     async def work(store: Store) -> int:
-        total = await store.count_calls()
-        columns = (TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        columns = (TextColumn("export sessions"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-            task = progress.add_task("calls", total=total)
-            return await export_calls_jsonl(store, out, lambda: progress.advance(task))
+            task_id = progress.add_task("sessions", total=None)
+            return await run_export(
+                store, out, kind=kind, fmt=fmt, where=where, merge=merge,
+                on_session=lambda total: progress.update(task_id, total=total, advance=1),
+            )  # fmt: skip
 
     count = _with_store(db, work)
-    console.print(f"wrote {count} calls to {out}")
+    console.print(f"wrote {count} {kind} rows to {out}")
 
 
 def _log_setup() -> None:

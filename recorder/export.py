@@ -1,16 +1,54 @@
-"""Dataset export. For now `calls`: one JSON object per recorded call (fuller kinds: issue 4)."""
+"""Dataset export: recorded calls, RL training sequences or SFT conversations, as JSON lines,
+Parquet or a Hugging Face `datasets` directory.
+
+Rows are produced session by session from the store and written in batches, so memory stays
+bounded by one session and one batch. Parquet and HF exports have fixed schemas; the free-form
+request and response bodies of `calls` rows become JSON strings there.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict
+import shutil
+from collections.abc import AsyncIterator, Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from recorder.records import CallRecord, Completion
+from recorder.records import CallRecord, Completion, SessionInfo
 from recorder.store import Store
+from recorder.trajectories import TrainingSequence, build_sequences
+
+KINDS = ("calls", "rl", "sft")
+FORMATS = ("jsonl", "parquet", "hf")
+BATCH = 512
+
+
+@dataclass(frozen=True)
+class Filter:
+    """Which sessions and calls to export; None means no condition."""
+
+    run: str | None = None
+    task_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    min_reward: float | None = None
+    api: str | None = None
+
+    def session(self, s: SessionInfo) -> bool:
+        if self.min_reward is not None and (s.reward is None or s.reward < self.min_reward):
+            return False
+        return self.task_id is None or s.task_id == self.task_id
+
+    def call(self, c: CallRecord) -> bool:
+        return (
+            (self.api is None or c.api == self.api)
+            and (self.since is None or c.started_at >= self.since)
+            and (self.until is None or c.started_at < self.until)
+        )
 
 
 def call_json(call: CallRecord) -> dict[str, Any]:
@@ -27,15 +65,177 @@ def call_json(call: CallRecord) -> dict[str, Any]:
     }
 
 
-async def export_calls_jsonl(store: Store, out: Path, on_row: Callable[[], None] | None = None) -> int:
-    """Write every call to `out` as JSON lines, streaming from the store; return the count."""
-    count = 0
+def sequence_json(seq: TrainingSequence) -> dict[str, Any]:
+    return {
+        "session_id": seq.session_id,
+        "chain": seq.chain,
+        "run": seq.run,
+        "task_id": seq.task_id,
+        "group_id": seq.group_id,
+        "reward": seq.reward,
+        "truncated": seq.truncated,
+        "input_ids": seq.input_ids,
+        "loss_mask": seq.loss_mask,
+        "logprobs": seq.logprobs,
+        "calls": seq.calls,
+        "span_starts": [s.start for s in seq.spans],
+        "span_ends": [s.end for s in seq.spans],
+        "policy_versions": [s.version for s in seq.spans],
+    }
+
+
+def _message(raw: dict[str, Any]) -> dict[str, Any]:
+    """A chat message in the one shape every SFT row shares (content never null)."""
+    calls = raw.get("tool_calls") or None
+    if calls is not None:
+        calls = [
+            {"id": c.get("id"), "type": c.get("type", "function"), "function": dict(c.get("function") or {})}
+            for c in calls
+        ]
+    content = raw.get("content")
+    if isinstance(content, list):  # content parts: keep the text
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return {
+        "role": raw.get("role"),
+        "content": content or "",
+        "tool_calls": calls,
+        "tool_call_id": raw.get("tool_call_id"),
+    }
+
+
+def sft_json(seq: TrainingSequence, calls: dict[int, CallRecord]) -> dict[str, Any] | None:
+    """The conversation of a chain: its last call's messages and the assistant's answer."""
+    last = calls[seq.calls[-1]]
+    choices = (last.response or {}).get("choices") or []
+    messages = last.request.get("messages")
+    if not choices or not isinstance(messages, list) or "message" not in choices[0]:
+        return None
+    return {
+        "messages": [_message(m) for m in [*messages, choices[0]["message"]]],
+        "session_id": seq.session_id,
+        "task_id": seq.task_id,
+        "reward": seq.reward,
+    }
+
+
+async def rows(
+    store: Store,
+    kind: str,
+    where: Filter,
+    merge: bool = True,
+    on_session: Callable[[int], None] | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """Export rows of `kind`, session by session; `on_session(total)` is called after each."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown export kind {kind!r}; choose one of {', '.join(KINDS)}")
+    sessions = [s for s in await store.list_sessions(run=where.run) if where.session(s)]
+    for session in sessions:
+        if on_session is not None:
+            on_session(len(sessions))
+        calls = [c async for c in store.iter_calls(session.id) if where.call(c)]
+        if kind == "calls":
+            for call in calls:
+                yield call_json(call)
+            continue
+        report = build_sequences(calls, session, merge=merge)
+        by_seq = {c.seq: c for c in calls}
+        for seq in report.sequences:
+            row = sequence_json(seq) if kind == "rl" else sft_json(seq, by_seq)
+            if row is not None:
+                yield row
+
+
+def _arrow_schema(kind: str) -> Any:
+    import pyarrow as pa
+
+    if kind == "rl":
+        return pa.schema(
+            [
+                ("session_id", pa.string()), ("chain", pa.int32()), ("run", pa.string()),
+                ("task_id", pa.string()), ("group_id", pa.string()), ("reward", pa.float64()),
+                ("truncated", pa.bool_()), ("input_ids", pa.list_(pa.int32())),
+                ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
+                ("calls", pa.list_(pa.int32())), ("span_starts", pa.list_(pa.int32())),
+                ("span_ends", pa.list_(pa.int32())), ("policy_versions", pa.list_(pa.string())),
+            ]
+        )  # fmt: skip
+    if kind == "sft":
+        function = pa.struct([("name", pa.string()), ("arguments", pa.string())])
+        tool_call = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", function)])
+        message = pa.struct(
+            [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(tool_call)),
+             ("tool_call_id", pa.string())]
+        )  # fmt: skip
+        return pa.schema(
+            [("messages", pa.list_(message)), ("session_id", pa.string()), ("task_id", pa.string()),
+             ("reward", pa.float64())]
+        )  # fmt: skip
+    return None  # calls: inferred from the first batch, bodies as JSON strings
+
+
+def _flatten_bodies(row: dict[str, Any]) -> dict[str, Any]:
+    return {**row, "request": orjson.dumps(row["request"]).decode(), "response": orjson.dumps(row["response"]).decode()}
+
+
+async def export(
+    store: Store,
+    out: Path,
+    *,
+    kind: str = "calls",
+    fmt: str = "jsonl",
+    where: Filter | None = None,
+    merge: bool = True,
+    on_session: Callable[[int], None] | None = None,
+) -> int:
+    """Write an export to `out` (a file, or a directory for `hf`); return the row count."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    where = where or Filter()
     tmp = out.with_name(out.name + ".partial")
-    with open(tmp, "wb") as f:
-        async for call in store.iter_calls():
-            f.write(orjson.dumps(call_json(call)) + b"\n")
+    parquet = tmp if fmt == "parquet" else out.with_name(out.name + ".partial.parquet")
+    count = 0
+    writer: Any = None
+    batch: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        nonlocal writer
+        if not batch:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pylist(batch, schema=_arrow_schema(kind))
+        if writer is None:
+            writer = pq.ParquetWriter(parquet, table.schema)
+        writer.write_table(table)
+        batch.clear()
+
+    sink: Any = open(tmp, "wb") if fmt == "jsonl" else nullcontext()  # noqa: SIM115
+    with sink as jsonl:
+        async for row in rows(store, kind, where, merge, on_session):
+            if jsonl is not None:
+                jsonl.write(orjson.dumps(row) + b"\n")
+            else:
+                batch.append(_flatten_bodies(row) if kind == "calls" else row)
+                if len(batch) >= BATCH:
+                    flush()
             count += 1
-            if on_row is not None:
-                on_row()
+    if fmt != "jsonl":
+        flush()
+        if writer is None:  # nothing matched: an empty file with the schema
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist([], schema=_arrow_schema(kind)), parquet)
+        else:
+            writer.close()
+    if fmt == "hf":
+        from datasets import Dataset
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        Dataset.from_parquet(str(parquet)).save_to_disk(str(tmp))
+        parquet.unlink()
+    if out.is_dir():
+        shutil.rmtree(out)
     tmp.replace(out)
     return count

@@ -17,7 +17,7 @@ from tests.recorder.test_store import call
 
 runner = CliRunner()
 COMMANDS = [[], ["serve"], ["demo"], ["model"], ["model", "prepare"], ["sessions"], ["sessions", "list"],
-            ["sessions", "show"], ["export"]]  # fmt: skip
+            ["sessions", "show"], ["export"], ["report"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "rl-proxy")
@@ -55,6 +55,9 @@ def test_sessions_list_and_show(db: str) -> None:
     shown = runner.invoke(app, ["sessions", "show", "ep-1", "--db", db], env={"COLUMNS": "200"})
     assert shown.exit_code == 0
     assert "chat.completions" in shown.output and "stop" in shown.output
+    # call 2's prompt [1, 2, 3, 2] does not extend call 1's [1, 2, 3, 1] + [1, 7, 2]
+    assert "2 calls -> 2 sequence(s)" in shown.output
+    assert "call 2 starts a new chain: prefix diverges at token 3" in shown.output
     missing = runner.invoke(app, ["sessions", "show", "nope", "--db", db])
     assert missing.exit_code == 1 and "no session" in missing.output
 
@@ -62,7 +65,7 @@ def test_sessions_list_and_show(db: str) -> None:
 def test_export_jsonl_and_refuses_to_overwrite(db: str, tmp_path: Path) -> None:
     out = tmp_path / "calls.jsonl"
     first = runner.invoke(app, ["export", "--db", db, "--format", "jsonl", "--out", str(out)])
-    assert first.exit_code == 0 and "wrote 2 calls" in first.output
+    assert first.exit_code == 0 and "wrote 2 calls rows" in first.output
     rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     assert [(r["session_id"], r["seq"], r["completion_token_ids"]) for r in rows] == [
         ("ep-1", 1, [1, 7, 2]), ("ep-1", 2, [2, 7, 2])
@@ -76,3 +79,18 @@ def test_export_jsonl_and_refuses_to_overwrite(db: str, tmp_path: Path) -> None:
 def test_serve_refuses_open_admin_off_loopback() -> None:
     result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:1/v1", "--host", "0.0.0.0"])
     assert result.exit_code != 0 and "admin-token" in result.output
+
+
+def test_report_summarises_a_run(db: str) -> None:
+    result = runner.invoke(app, ["report", "--db", db, "--run", "exp"])
+    assert result.exit_code == 0, result.output
+    assert "sessions 2 (1 without calls), calls 2, sequences 2" in result.output
+    assert "breaks: prefix diverges: 1" in result.output
+    assert "mean reward: 1.000" in result.output and "ep-empty" in result.output
+
+
+def test_export_rl_parquet(db: str, tmp_path: Path) -> None:
+    out = tmp_path / "rl.parquet"
+    result = runner.invoke(app, ["export", "--db", db, "--kind", "rl", "--format", "parquet", "--out", str(out)])
+    assert result.exit_code == 0 and "wrote 2 rl rows" in result.output
+    assert runner.invoke(app, ["export", "--db", db, "--kind", "nope", "--out", str(tmp_path / "x")]).exit_code != 0

@@ -112,9 +112,9 @@ def test_stream_with_token_fields_passes_them_through(proxy: RunningProxy, vllm:
 def test_tool_calls_recorded(proxy: RunningProxy, vllm: Upstream, stream: bool) -> None:
     key = f"s-tools-{stream}"
     client = OpenAI(base_url=proxy.v1, api_key=key)
-    messages = [{"role": "user", "content": "Add 2 and 3 with the tool."}]
+    messages = [{"role": "user", "content": "Use the add tool to add 2 and 3."}]
     kwargs = dict(model=vllm.model, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD,
-                  max_tokens=40, temperature=0)  # fmt: skip
+                  max_tokens=80, temperature=0)  # fmt: skip
     if stream:
         names = [
             tc.function.name
@@ -131,7 +131,7 @@ def test_tool_calls_recorded(proxy: RunningProxy, vllm: Upstream, stream: bool) 
     assert call.response is not None
     recorded = call.response["choices"][0]["message"]["tool_calls"]
     assert [t["function"]["name"] for t in recorded] == ["add"]
-    reference = direct(vllm, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD, max_tokens=40, temperature=0)
+    reference = direct(vllm, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD, max_tokens=80, temperature=0)
     assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
     assert (
         recorded[0]["function"]["arguments"]

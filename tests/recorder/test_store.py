@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from recorder import CallRecord, Completion, SessionInfo, Store
-from recorder.export import export_calls_jsonl
+from recorder.export import export
 from recorder.schema import pack, unpack
 from recorder.store import SchemaMismatch, SessionConflict, async_url, utcnow
 
@@ -112,10 +112,10 @@ async def test_export_jsonl_has_the_documented_fields(tmp_path: Path) -> None:
         await store.resolve_session(SessionInfo(id="a", key="a"))
         for i in range(1, 4):
             await store.record(call("a", i, [i, 2]))
-        rows = []
-        assert await export_calls_jsonl(store, out, lambda: rows.append(1)) == 3
+        sessions: list[int] = []
+        assert await export(store, out, on_session=sessions.append) == 3
     lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
-    assert len(lines) == len(rows) == 3
+    assert len(lines) == 3 and sessions == [1]
     first = lines[0]
     for name in ("session_id", "seq", "api", "prompt_token_ids", "completion_token_ids", "logprobs",
                  "policy_version", "request", "response"):  # fmt: skip
