@@ -83,6 +83,34 @@ def demo(
     raise typer.Exit(run_demo(_settings(db=db, model=model)))
 
 
+@app.command()
+def doctor(
+    model: Annotated[str, typer.Option(help="'default', an HF directory or a hub name")] = "default",
+) -> None:
+    """Check that a model's chat template is append-only, as prefix merging needs: render
+    multi-turn conversations (plain, tool calls, reasoning) and report where it is not."""
+    from transformers import AutoTokenizer
+
+    from trainer.model import resolve_model
+    from trainer.template_check import check_template
+
+    path, name = resolve_model(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] no tokenizer for {model!r}: {exc}")
+        raise typer.Exit(1) from exc
+    findings = check_template(tokenizer)
+    if not findings:
+        console.print(f"{name}: the chat template is append-only on every checked conversation")
+        return
+    console.print(f"{name}: {len(findings)} place(s) where turns will not merge")
+    for f in findings:
+        console.print(f"- {f.conversation}, assistant message {f.turn}: {f.problem}", markup=False)
+        if f.detail:
+            console.print(f"    {f.detail}", markup=False, highlight=False)
+
+
 @model_app.command("prepare")
 def model_prepare(
     out: Annotated[Path | None, typer.Option(help="directory to write [default: per-user data dir]")] = None,

@@ -17,7 +17,7 @@ from tests.recorder.test_store import call
 
 runner = CliRunner()
 COMMANDS = [[], ["serve"], ["demo"], ["model"], ["model", "prepare"], ["sessions"], ["sessions", "list"],
-            ["sessions", "show"], ["export"], ["report"]]  # fmt: skip
+            ["sessions", "show"], ["export"], ["report"], ["doctor"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "rl-proxy")
@@ -94,3 +94,10 @@ def test_export_rl_parquet(db: str, tmp_path: Path) -> None:
     result = runner.invoke(app, ["export", "--db", db, "--kind", "rl", "--format", "parquet", "--out", str(out)])
     assert result.exit_code == 0 and "wrote 2 rl rows" in result.output
     assert runner.invoke(app, ["export", "--db", db, "--kind", "nope", "--out", str(tmp_path / "x")]).exit_code != 0
+
+
+def test_doctor_on_the_default_model() -> None:
+    result = runner.invoke(app, ["doctor"])
+    assert result.exit_code == 0, result.output
+    assert "drops tool calls" in result.output
+    assert runner.invoke(app, ["doctor", "--model", "/no/such/model"]).exit_code == 1
