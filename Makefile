@@ -34,3 +34,4 @@ fmt:
 
 bench: install
 	$(PY) -m tests.bench_proxy
+	$(PY) -m tests.bench_trajectories

@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import JSON, ForeignKey, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 SCHEMA_VERSION = 1
@@ -98,7 +98,6 @@ class CallRow(Base):
     started_at: Mapped[datetime] = mapped_column(index=True)
     finished_at: Mapped[datetime]
     latency_ms: Mapped[float]
-    completions: Mapped[list[CompletionRow]] = relationship(order_by="CompletionRow.choice_index", lazy="selectin")
 
 
 class CompletionRow(Base):

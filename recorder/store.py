@@ -119,26 +119,11 @@ def _insert_calls(conn: Connection, calls: list[CallRecord]) -> None:
         conn.execute(insert(CompletionRow), completions)
 
 
-def _call_record(row: CallRow) -> CallRecord:
-    return CallRecord(
-        session_id=row.session_id,
-        seq=row.seq,
-        api=row.api,
-        model=row.model,
-        upstream=row.upstream,
-        stream=row.stream,
-        request=row.request,
-        response=row.response,
-        ok=row.ok,
-        http_status=row.http_status,
-        error=row.error,
-        prompt_token_ids=row.prompt_token_ids,
-        completions=[Completion(c.choice_index, c.token_ids, c.logprobs, c.finish_reason) for c in row.completions],
-        policy_version=row.policy_version,
-        policy_version_end=row.policy_version_end,
-        started_at=row.started_at,
-        finished_at=row.finished_at,
-    )
+_CALL_FIELDS = [f for f in CallRecord.__dataclass_fields__ if f != "completions"]
+
+
+def _call_record(row: Any, completions: list[Completion]) -> CallRecord:
+    return CallRecord(**{name: row[name] for name in _CALL_FIELDS}, completions=completions)
 
 
 class Store:
@@ -291,7 +276,9 @@ class Store:
         async with self._session_lock:
             if info.key in self._by_key or await self.session_by_key(info.key):
                 raise SessionConflict(f"session key {info.key!r} is already in use")
-            if await self.get_session(info.id) is not None:
+            async with self._sessions() as s:
+                taken = await s.scalar(select(SessionRow.id).where(SessionRow.id == info.id))
+            if taken is not None:
                 raise SessionConflict(f"session id {info.id!r} is already taken")
             created = replace(info, status="active", created_at=utcnow(), reward=None, calls=0)
             values = {
@@ -347,19 +334,11 @@ class Store:
     async def list_sessions(
         self, *, run: str | None = None, session_id: str | None = None, limit: int | None = None
     ) -> list[SessionInfo]:
-        rewards = (
-            select(RewardRow.session_id, func.sum(RewardRow.value).label("reward"))
-            .group_by(RewardRow.session_id)
-            .subquery()
-        )
-        calls = select(CallRow.session_id, func.count().label("calls")).group_by(CallRow.session_id).subquery()
-        query = (
-            select(SessionRow, rewards.c.reward, calls.c.calls)
-            .outerjoin(rewards, rewards.c.session_id == SessionRow.id)
-            .outerjoin(calls, calls.c.session_id == SessionRow.id)
-            .order_by(SessionRow.created_at, SessionRow.id)
-            .limit(limit)
-        )
+        # Correlated subqueries walk the (session_id, ...) indexes: one session costs the same
+        # however many calls the store holds (a GROUP BY over all calls did not).
+        reward = select(func.sum(RewardRow.value)).where(RewardRow.session_id == SessionRow.id).scalar_subquery()
+        calls = select(func.count()).where(CallRow.session_id == SessionRow.id).scalar_subquery()
+        query = select(SessionRow, reward, calls).order_by(SessionRow.created_at, SessionRow.id).limit(limit)
         if run is not None:
             query = query.where(SessionRow.run == run)
         if session_id is not None:
@@ -368,20 +347,30 @@ class Store:
             result = await s.execute(query)
             return [_session_info(row, reward, n or 0) for row, reward, n in result.all()]
 
-    async def iter_calls(self, session_id: str | None = None, batch: int = 256) -> AsyncIterator[CallRecord]:
-        """Every recorded call in insertion order, read in batches (bounded memory)."""
+    async def iter_calls(self, session_id: str | None = None, batch: int = 512) -> AsyncIterator[CallRecord]:
+        """Every recorded call (of a session, in call order; else in insertion order), read in
+        batches (bounded memory). Core queries, not ORM objects: several times faster."""
+        calls, completions = CallRow.__table__, CompletionRow.__table__
+        # One session's calls are walked on its (session_id, seq) index, all calls on the id.
+        key = calls.c.id if session_id is None else calls.c.seq
         last = 0
         while True:
-            query = select(CallRow).where(CallRow.id > last).order_by(CallRow.id).limit(batch)
+            query = select(calls).where(key > last).order_by(key).limit(batch)
             if session_id is not None:
-                query = query.where(CallRow.session_id == session_id)
-            async with self._sessions() as s:
-                rows = (await s.scalars(query)).all()
+                query = query.where(calls.c.session_id == session_id)
+            async with self.engine.connect() as conn:
+                rows = (await conn.execute(query)).mappings().all()
+                chosen = select(completions).where(completions.c.call_id.in_([r["id"] for r in rows]))
+                by_call: dict[int, list[Completion]] = {}
+                for c in (await conn.execute(chosen.order_by(completions.c.choice_index))).mappings():
+                    by_call.setdefault(c["call_id"], []).append(
+                        Completion(c["choice_index"], c["token_ids"], c["logprobs"], c["finish_reason"])
+                    )
             for row in rows:
-                yield _call_record(row)
+                yield _call_record(row, by_call.get(row["id"], []))
             if len(rows) < batch:
                 return
-            last = rows[-1].id
+            last = rows[-1][key.name]
 
     async def count_calls(self) -> int:
         async with self._sessions() as s:

@@ -4,8 +4,8 @@ Prefix merging on token ids (the default): a call whose prompt token ids start w
 chain's tokens (every earlier prompt and completion of that chain) extends it; the new prompt
 tokens (tool output, the next user turn, template glue) get loss mask 0, the sampled tokens
 mask 1. A call that extends no chain starts one, and the break is reported with its reason, so
-compaction, injected reminders, sub-agents, retries and interleaved agents each become their
-own sequence instead of a wrong one. Nothing is re-tokenized: every id comes from the upstream.
+compaction, injected reminders, sub-agents, retries, a change of model and interleaved agents
+each become their own sequence instead of a wrong one. Nothing is re-tokenized: every id comes from the upstream.
 Failed calls, calls without tokens and calls whose logprobs do not match their tokens are
 skipped and reported.
 """
@@ -129,6 +129,8 @@ def _break(call: CallRecord, previous: _Chain, prompts: set[tuple[int, ...]]) ->
     prompt = call.prompt_token_ids
     if tuple(prompt) in prompts:
         return Break(call.seq, "retry")
+    if call.request.get("model") != previous.request.get("model"):
+        return Break(call.seq, "model changed")
     if call.request.get("tools") != previous.request.get("tools"):
         return Break(call.seq, "tools changed")
     if _system(call.request) != _system(previous.request):
@@ -160,7 +162,13 @@ def build_sequences(calls: list[CallRecord], session: SessionInfo | None = None,
             continue
         completion = call.completions[0]
         unmerged += len(call.prompt_token_ids) + len(completion.token_ids)
-        extendable = [c for c in chains if merge and call.prompt_token_ids[: len(c.ids)] == c.ids]
+        extendable = [
+            c
+            for c in chains
+            if merge
+            and c.request.get("model") == call.request.get("model")
+            and call.prompt_token_ids[: len(c.ids)] == c.ids
+        ]
         if extendable:
             chain = max(extendable, key=lambda c: len(c.ids))
         else:

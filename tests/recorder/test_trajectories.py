@@ -85,6 +85,13 @@ def test_retry_tools_and_system_prompt_breaks_are_named() -> None:
     assert [b.reason for b in build_sequences(calls).breaks] == ["retry", "tools changed", "system prompt changed"]
 
 
+def test_a_change_of_model_never_merges() -> None:
+    other = {"messages": [SYSTEM], "model": "judge"}
+    report = build_sequences([call(1, [1, 2], [10]), call(2, [1, 2, 10, 3], [11], request=other)])
+    assert [(b.seq, b.reason) for b in report.breaks] == [(2, "model changed")]
+    assert len(report.sequences) == 2
+
+
 def test_bad_calls_are_skipped_and_reported_never_merged() -> None:
     calls = [
         call(1, [1, 2], [10]),
