@@ -30,6 +30,7 @@ class SessionCreate(BaseModel):
 class RewardIn(BaseModel):
     value: float
     source: str = Field("admin", max_length=64)
+    seq: int | None = Field(None, ge=1, description="reward one call (its number in the session) only")
 
     @field_validator("value")
     @classmethod
@@ -122,7 +123,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
 @admin.post("/sessions/{session_id}/reward")
 async def post_reward(session_id: str, body: RewardIn, request: Request) -> dict[str, Any]:
     await _existing(request, session_id)
-    await _state(request).store.add_reward(session_id, body.value, body.source)
+    await _state(request).store.add_reward(session_id, body.value, body.source, body.seq)
     return session_json(await _existing(request, session_id))
 
 

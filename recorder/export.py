@@ -81,6 +81,7 @@ def sequence_json(seq: TrainingSequence) -> dict[str, Any]:
         "span_starts": [s.start for s in seq.spans],
         "span_ends": [s.end for s in seq.spans],
         "policy_versions": [s.version for s in seq.spans],
+        "span_rewards": [s.reward for s in seq.spans],
     }
 
 
@@ -137,7 +138,7 @@ async def rows(
             for call in calls:
                 yield call_json(call)
             continue
-        report = build_sequences(calls, session, merge=merge)
+        report = build_sequences(calls, session, merge=merge, call_rewards=await store.call_rewards(session.id))
         by_seq = {c.seq: c for c in calls}
         for seq in report.sequences:
             row = sequence_json(seq) if kind == "rl" else sft_json(seq, by_seq)
@@ -157,6 +158,7 @@ def _arrow_schema(kind: str) -> Any:
                 ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
                 ("calls", pa.list_(pa.int32())), ("span_starts", pa.list_(pa.int32())),
                 ("span_ends", pa.list_(pa.int32())), ("policy_versions", pa.list_(pa.string())),
+                ("span_rewards", pa.list_(pa.float64())),
             ]
         )  # fmt: skip
     if kind == "sft":

@@ -2,7 +2,8 @@
 
 Token ids are stored as little-endian int32 arrays and logprobs as float32 arrays (about 8x
 smaller than JSON text and read back without parsing). `SCHEMA_VERSION` is written to the
-`schema_version` table; a store written by a newer schema is refused rather than misread.
+`schema_version` table; a store written by a newer schema is refused rather than misread, and
+an older one is brought up to date by the statements in `MIGRATIONS` when it is opened.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+# From version N to N + 1: plain SQL that SQLite and PostgreSQL both run.
+MIGRATIONS: dict[int, list[str]] = {
+    1: ["ALTER TABLE rewards ADD COLUMN call_seq INTEGER"],  # per-call rewards
+}
 
 
 def pack(values: list[int] | list[float], typecode: str) -> bytes:
@@ -115,4 +121,5 @@ class RewardRow(Base):
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
     value: Mapped[float]
     source: Mapped[str] = mapped_column(String(64))
+    call_seq: Mapped[int | None]  # a reward for one call of the session; None: for the session
     created_at: Mapped[datetime]

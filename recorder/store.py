@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, create_engine, event, func, insert, select, update
+from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
 from recorder.records import CallRecord, Completion, SessionInfo
 from recorder.schema import (
+    MIGRATIONS,
     SCHEMA_VERSION,
     Base,
     CallRow,
@@ -166,15 +167,20 @@ class Store:
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
         async with self.engine.begin() as conn:
             await conn.run_sync(Base.metadata.create_all)
-        async with self._sessions.begin() as s:
-            found = await s.scalar(select(func.max(SchemaVersionRow.version)))
-            if found is None:
-                s.add(SchemaVersionRow(version=SCHEMA_VERSION))
-            elif found > SCHEMA_VERSION:
+        async with self.engine.begin() as conn:
+            found = await conn.scalar(select(func.max(SchemaVersionRow.version)))
+            if found is not None and found > SCHEMA_VERSION:
                 raise SchemaMismatch(
                     f"{self.url} has schema version {found}; this rl-proxy knows up to "
                     f"{SCHEMA_VERSION}: upgrade rl-proxy"
                 )
+            for version in range(found or SCHEMA_VERSION, SCHEMA_VERSION):
+                log.info("migrating %s from schema version %d", self.url, version)
+                for statement in MIGRATIONS[version]:
+                    await conn.execute(text(statement))
+            if found != SCHEMA_VERSION:
+                await conn.execute(delete(SchemaVersionRow))
+                await conn.execute(insert(SchemaVersionRow).values(version=SCHEMA_VERSION))
         self._writer = asyncio.create_task(self._write_loop(), name="recorder-writer")
 
     async def close(self) -> None:
@@ -314,8 +320,11 @@ class Store:
         self._seq[session_id] = self._seq.get(session_id, 0) + 1
         return self._seq[session_id]
 
-    async def add_reward(self, session_id: str, value: float, source: str) -> None:
-        values = {"session_id": session_id, "value": value, "source": source, "created_at": utcnow()}
+    async def add_reward(self, session_id: str, value: float, source: str, call_seq: int | None = None) -> None:
+        """A reward for the session, or for its call number `call_seq`."""
+        values = {
+            "session_id": session_id, "value": value, "source": source, "call_seq": call_seq, "created_at": utcnow()
+        }  # fmt: skip
         await self.submit(lambda conn: conn.execute(insert(RewardRow).values(values)))
 
     async def end_session(self, session_id: str) -> None:
@@ -336,7 +345,11 @@ class Store:
     ) -> list[SessionInfo]:
         # Correlated subqueries walk the (session_id, ...) indexes: one session costs the same
         # however many calls the store holds (a GROUP BY over all calls did not).
-        reward = select(func.sum(RewardRow.value)).where(RewardRow.session_id == SessionRow.id).scalar_subquery()
+        reward = (
+            select(func.sum(RewardRow.value))
+            .where(RewardRow.session_id == SessionRow.id, RewardRow.call_seq.is_(None))
+            .scalar_subquery()
+        )
         calls = select(func.count()).where(CallRow.session_id == SessionRow.id).scalar_subquery()
         query = select(SessionRow, reward, calls).order_by(SessionRow.created_at, SessionRow.id).limit(limit)
         if run is not None:
@@ -346,6 +359,16 @@ class Store:
         async with self._sessions() as s:
             result = await s.execute(query)
             return [_session_info(row, reward, n or 0) for row, reward, n in result.all()]
+
+    async def call_rewards(self, session_id: str) -> dict[int, float]:
+        """Rewards posted for single calls of a session, summed per call number."""
+        query = (
+            select(RewardRow.call_seq, func.sum(RewardRow.value))
+            .where(RewardRow.session_id == session_id, RewardRow.call_seq.is_not(None))
+            .group_by(RewardRow.call_seq)
+        )
+        async with self.engine.connect() as conn:
+            return {seq: float(value) for seq, value in (await conn.execute(query)).all() if seq is not None}
 
     async def iter_calls(self, session_id: str | None = None, batch: int = 512) -> AsyncIterator[CallRecord]:
         """Every recorded call (of a session, in call order; else in insertion order), read in

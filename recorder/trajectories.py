@@ -30,6 +30,7 @@ class Span:
     seq: int
     version: str | None
     version_end: str | None
+    reward: float | None = None  # posted for this call alone, if any
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class _Chain:
     truncated: bool = False
     request: dict[str, Any] = field(default_factory=dict)
 
-    def extend(self, call: CallRecord, completion: Completion) -> None:
+    def extend(self, call: CallRecord, completion: Completion, reward: float | None) -> None:
         prompt_part = call.prompt_token_ids[len(self.ids) :]
         self.ids += prompt_part
         self.mask += [0] * len(prompt_part)
@@ -102,7 +103,7 @@ class _Chain:
         self.ids += completion.token_ids
         self.mask += [1] * len(completion.token_ids)
         self.logprobs += completion.logprobs
-        self.spans.append(Span(start, len(self.ids), call.seq, call.policy_version, call.policy_version_end))
+        self.spans.append(Span(start, len(self.ids), call.seq, call.policy_version, call.policy_version_end, reward))
         self.truncated = completion.finish_reason == "length"
         self.request = call.request
 
@@ -146,8 +147,15 @@ def _break(call: CallRecord, previous: _Chain, prompts: set[tuple[int, ...]]) ->
     return Break(call.seq, "prefix diverges", k, previous.ids[window], prompt[window])
 
 
-def build_sequences(calls: list[CallRecord], session: SessionInfo | None = None, merge: bool = True) -> SessionReport:
-    """A session's training sequences. `merge=False` gives one sequence per call."""
+def build_sequences(
+    calls: list[CallRecord],
+    session: SessionInfo | None = None,
+    merge: bool = True,
+    call_rewards: dict[int, float] | None = None,
+) -> SessionReport:
+    """A session's training sequences. `merge=False` gives one sequence per call. The session's
+    reward goes with every sequence; `call_rewards` (by call number) with their sampled spans."""
+    call_rewards = call_rewards or {}
     ordered = sorted(calls, key=lambda c: c.seq)
     chains: list[_Chain] = []
     breaks: list[Break] = []
@@ -176,13 +184,13 @@ def build_sequences(calls: list[CallRecord], session: SessionInfo | None = None,
                 breaks.append(_break(call, previous, prompts))
             chain = _Chain()
             chains.append(chain)
-        chain.extend(call, completion)
+        chain.extend(call, completion, call_rewards.get(call.seq))
         prompts.add(tuple(call.prompt_token_ids))
         previous = chain
         for extra in call.completions[1:]:  # other choices of the same prompt: each its own
             if extra.token_ids and len(extra.logprobs) == len(extra.token_ids):
                 alternative = _Chain()
-                alternative.extend(call, extra)
+                alternative.extend(call, extra, call_rewards.get(call.seq))
                 chains.append(alternative)
                 unmerged += len(call.prompt_token_ids) + len(extra.token_ids)
     session_id = session.id if session else (ordered[0].session_id if ordered else "")

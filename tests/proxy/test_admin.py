@@ -35,6 +35,8 @@ def test_admin_open_on_loopback_without_token(make_proxy: Any, stub: str) -> Non
     assert httpx.post(f"{proxy.url}/admin/sessions/{sid}/reward", json={"value": 0.25}).json()["reward"] == 0.25
     after = httpx.post(f"{proxy.url}/admin/sessions/{sid}/reward", json={"value": 0.5, "source": "verifier"}).json()
     assert after["reward"] == 0.75 and after["calls"] == 2
+    per_call = httpx.post(f"{proxy.url}/admin/sessions/{sid}/reward", json={"value": 2.0, "seq": 2}).json()
+    assert per_call["reward"] == 0.75  # a call's reward is not the session's
     ended = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end").json()
     assert ended["status"] == "ended" and ended["ended_at"]
     listed = httpx.get(f"{proxy.url}/admin/sessions", params={"run": "r1"}).json()["data"]

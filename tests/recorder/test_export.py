@@ -37,6 +37,7 @@ async def fill(db: str) -> None:
             second = [*first, {"role": "assistant", "content": f"{i + 1}"}, {"role": "user", "content": "Sure?"}]
             await store.record(turn(sid, 2, [1, 2, 3, 4, 5, 6], [7], second, "Yes."))
             await store.add_reward(sid, reward, "test")
+            await store.add_reward(sid, 0.5, "judge", call_seq=2)
 
 
 @pytest.fixture
@@ -57,6 +58,7 @@ async def test_rl_parquet_round_trips(db: str, tmp_path: Path) -> None:
     assert first["logprobs"] == [0.0, 0.0, 0.0, -0.5, -0.5, 0.0, -0.5]
     assert (first["reward"], first["task_id"], first["group_id"], first["calls"]) == (1.0, "t0", "g", [1, 2])
     assert first["policy_versions"] == ["v3", "v3"] and first["span_starts"] == [3, 6]
+    assert first["span_rewards"] == [None, 0.5]
 
 
 async def test_one_per_call_and_filters(db: str, tmp_path: Path) -> None:

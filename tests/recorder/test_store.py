@@ -122,3 +122,22 @@ async def test_export_jsonl_has_the_documented_fields(tmp_path: Path) -> None:
         assert name in first
     assert first["completion_token_ids"] == [1, 2] and first["logprobs"] == [-0.5, -0.5]
     assert first["request"]["messages"][0]["content"] == "a/1"
+
+
+async def test_an_older_store_is_migrated_and_per_call_rewards_kept_apart(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    async with Store(str(db)) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        await store.record(call("a", 1, [5]))
+        await store.add_reward("a", 1.0, "verifier")
+    with sqlite3.connect(db) as conn:  # make it a version-1 store, as the first release wrote it
+        conn.execute("alter table rewards drop column call_seq")
+        conn.execute("update schema_version set version = 1")
+    async with Store(str(db)) as store:
+        await store.add_reward("a", 0.5, "judge", call_seq=1)
+        await store.add_reward("a", 0.25, "judge", call_seq=1)
+        [session] = await store.list_sessions()
+        assert session.reward == 1.0 and session.calls == 1
+        assert await store.call_rewards("a") == {1: 0.75}
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("select version from schema_version").fetchall() == [(2,)]
