@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from proxy.admin import admin, ops
+from proxy.anthropic import router as anthropic_router
 from proxy.errors import install_handlers
 from proxy.openai_api import router
 from proxy.settings import Settings
@@ -40,8 +41,9 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
     app = FastAPI(title="rl-proxy", lifespan=lifespan)
     app.state.rlp = ProxyState(settings, store, upstream)
     install_handlers(app)
-    app.include_router(router, prefix="/v1")
-    app.include_router(router, prefix="/s/{session}/v1")
+    for prefix in ("/v1", "/s/{session}/v1"):
+        app.include_router(router, prefix=prefix)
+        app.include_router(anthropic_router, prefix=prefix)
     app.include_router(admin)
     app.include_router(ops)
     return app

@@ -1,4 +1,5 @@
-"""Named proxy errors and the handlers that turn every failure into the OpenAI error shape.
+"""Named proxy errors and the handlers that turn every failure into the client API's own error
+shape: OpenAI's everywhere, Anthropic's on the Messages routes.
 
 No traceback reaches a client: unexpected exceptions are logged here and answered with a 500
 in the same JSON shape.
@@ -71,24 +72,40 @@ def json_response(data: object, status: int = 200, headers: Mapping[str, str] | 
     return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
 
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # fmt: skip
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def _answer(
+    request: Request, status: int, message: str, type_: str, code: str | int | None = None, param: str | None = None
+) -> Response:
+    if "/messages" in request.url.path:
+        return json_response(anthropic_error_body(status, message), status)
+    return json_response(error_body(message, type_, code, param), status)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProxyError)
-    async def proxy_error(_: Request, exc: ProxyError) -> Response:
-        return json_response(error_body(exc.message, exc.type, exc.code, exc.param), exc.status)
+    async def proxy_error(request: Request, exc: ProxyError) -> Response:
+        return _answer(request, exc.status, exc.message, exc.type, exc.code, exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
-        return json_response(error_body(message, "invalid_request_error", param=where or None), 400)
+        return _answer(request, 400, message, "invalid_request_error", param=where or None)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return json_response(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+        return _answer(request, exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return json_response(error_body(f"internal proxy error ({type(exc).__name__})", "internal_error"), 500)
+        return _answer(request, 500, f"internal proxy error ({type(exc).__name__})", "internal_error")

@@ -73,13 +73,16 @@ class Upstream:
             await asyncio.sleep(interval)
         log.info("upstream %s has no /weight_info: calls get no policy version", self.root)
 
-    async def send(self, method: str, path: str, body: dict[str, Any] | None = None) -> aiohttp.ClientResponse:
-        """Start one request; the caller reads (or streams) and releases the response.
-        Connection trouble becomes a named proxy error."""
+    async def send(
+        self, method: str, path: str, body: dict[str, Any] | None = None, at_root: bool = False
+    ) -> aiohttp.ClientResponse:
+        """Start one request (to `/v1{path}`, or `{path}` at the server root); the caller reads (or
+        streams) and releases the response. Connection trouble becomes a named proxy error."""
         data = None if body is None else orjson.dumps(body)
         headers = {"Content-Type": "application/json"} if body is not None else None
+        url = f"{self.root if at_root else self.base_url}{path}"
         try:
-            return await self.session.request(method, f"{self.base_url}{path}", data=data, headers=headers)
+            return await self.session.request(method, url, data=data, headers=headers)
         except asyncio.TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.base_url} timed out") from exc
         except aiohttp.ClientError as exc:

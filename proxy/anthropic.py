@@ -1,0 +1,212 @@
+"""Anthropic Messages: `POST /v1/messages` and `/v1/messages/count_tokens`, recorded at token level.
+
+vLLM's own `/v1/messages` returns no token ids, so a Messages request is translated to Chat
+Completions with litellm's in-process adapter (no network), sent upstream like any chat call
+(prompt ids, sampled ids and logprobs captured), and the answer translated back: one message, or
+Anthropic's whole SSE event sequence (message_start, content_block_start/delta/stop,
+message_delta, message_stop) for a stream. The call is recorded with the request and the answer
+in Anthropic's shape. Errors answer in Anthropic's error shape (see errors.py).
+Model aliases and completion caps for harnesses such as Claude Code are not handled yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import AsyncIterator
+from functools import cache
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from proxy.capture import Capture
+from proxy.errors import BadRequest, ProxyError, anthropic_error_body, json_response
+from proxy.forwarding import Call, StreamBroken, UpstreamError, open_upstream, read_json, session_for, stream_chunks
+from proxy.state import ProxyState
+
+API = "anthropic.messages"
+router = APIRouter()
+
+
+@cache
+def _adapter() -> Any:
+    # litellm takes seconds to import and would fetch a price list without this variable.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from litellm.llms.anthropic.pass_through.adapters.transformation import AnthropicAdapter
+
+    return AnthropicAdapter()
+
+
+def _jsonable(obj: Any) -> Any:
+    return orjson.loads(orjson.dumps(obj, default=lambda o: o.model_dump() if hasattr(o, "model_dump") else str(o)))
+
+
+def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """A Messages request as a Chat Completions request, and the adapter's tool-name map."""
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise BadRequest("'messages' is required and must be a non-empty list", param="messages")
+    if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] < 1:
+        raise BadRequest("'max_tokens' is required and must be a positive integer", param="max_tokens")
+    contents = [m.get("content") for m in body["messages"] if isinstance(m, dict)]
+    for block in [b for content in contents if isinstance(content, list) for b in content]:
+        if isinstance(block, dict) and block.get("type") in ("image", "document"):
+            raise BadRequest(f"content blocks of type {block['type']!r} are not supported by this backend")
+    try:
+        chat, tool_map = _adapter().translate_completion_input_params_with_tool_mapping(copy.deepcopy(body))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise BadRequest(f"cannot translate this Messages request: {exc}") from exc
+    return _jsonable(chat), tool_map
+
+
+def _object_arguments(chat_response: dict[str, Any]) -> None:
+    """Anthropic's tool_use `input` must be an object, and litellm refuses anything else; a small
+    model may well write `[1, 2]` or broken JSON. Such arguments are passed on, unparsed, as
+    `{"_raw_arguments": "<what the model wrote>"}` (the recorded tokens are untouched)."""
+    for choice in chat_response.get("choices") or []:
+        for call in (choice.get("message") or {}).get("tool_calls") or []:
+            function = call.get("function") or {}
+            raw = function.get("arguments") or "{}"
+            try:
+                parsed = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                function["arguments"] = orjson.dumps({"_raw_arguments": raw}).decode()
+
+
+def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[str, Any]:
+    from litellm.types.utils import ModelResponse
+
+    fields = {k: v for k, v in copy.deepcopy(chat_response).items() if k != "assembled_from_stream"}
+    _object_arguments(fields)
+    for choice in fields.get("choices") or []:  # vLLM says "stop" after a forced tool call
+        if (choice.get("message") or {}).get("tool_calls") and choice.get("finish_reason") == "stop":
+            choice["finish_reason"] = "tool_calls"
+    message = _adapter().translate_completion_output_params(ModelResponse(**fields), tool_map)
+    return dict(_jsonable(message))
+
+
+@router.post("/messages")
+async def messages(request: Request) -> Response:
+    state: ProxyState = request.app.state.rlp
+    body = await read_json(request, state.settings.max_body_bytes)
+    chat, tool_map = to_chat(body)
+    session = await session_for(request, state)
+    stream = bool(body.get("stream"))
+    chat.update(return_token_ids=True, logprobs=True, stream=stream)
+    if stream:
+        chat["stream_options"] = {"include_usage": True}
+    call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
+    try:
+        resp, data = await open_upstream(call, "/chat/completions", chat)
+    except UpstreamError as exc:
+        return json_response(anthropic_error_body(exc.status, exc.message), exc.status)
+    if stream:
+        return StreamingResponse(_relay(call, resp, tool_map, body["model"]), media_type="text/event-stream")
+    capture = Capture()
+    capture.add_response(data)
+    message = to_message(data, tool_map)
+    await call.commit(call.record(capture, message, resp.status))
+    return json_response(message)
+
+
+async def _relay(
+    call: Call, resp: aiohttp.ClientResponse, tool_map: dict[str, str], model: str
+) -> AsyncIterator[bytes]:
+    """Anthropic SSE events translated from the upstream's chunks; recorded before message_stop
+    reaches the client's end of the stream."""
+    from litellm.types.utils import ModelResponseStream
+
+    capture = Capture()
+    broken: list[str] = []
+
+    tool_ids: dict[tuple[int, int], str] = {}
+
+    async def chunks() -> AsyncIterator[Any]:
+        try:
+            async for chunk in stream_chunks(resp):
+                capture.add_chunk(chunk)
+                if capture.head and not _carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
+                    continue  # tokens the tool parser held back: recorded, but litellm would open a text block
+                # vLLM names a tool call's id in its first delta only; litellm gives every later
+                # delta without one a fresh id and so a new, nameless tool_use block.
+                for choice in chunk.get("choices") or []:
+                    for delta in (choice.get("delta") or {}).get("tool_calls") or []:
+                        key = (choice.get("index", 0), delta.get("index", 0))
+                        delta["id"] = tool_ids.setdefault(key, delta.get("id") or f"toolu_{key[1]}")
+                    if tool_ids and choice.get("finish_reason") == "stop":  # as in to_message
+                        choice["finish_reason"] = "tool_calls"
+                yield ModelResponseStream(**chunk)
+        except StreamBroken as exc:
+            broken.append(str(exc))
+            raise
+
+    status: int = 499  # what stands if the client goes away mid-stream
+    error: str | None = "client disconnected"
+    unrecorded: ProxyError | None = None
+    pending: list[bytes] = []
+    try:
+        events = _adapter().translate_completion_output_params_streaming(
+            chunks(), model=model, tool_name_mapping=tool_map
+        )
+        async for event in events:
+            # Hold back message_stop: the client sees the end only once the call is recorded.
+            if b"message_stop" in event:
+                pending.append(event)
+            else:
+                yield event
+        status, error = (200, None) if not broken else (502, broken[0])
+    except StreamBroken as exc:
+        status, error = 502, str(exc)
+    finally:
+        with anyio.CancelScope(shield=True):  # see openai_api._relay
+            resp.release()
+            try:
+                await call.commit(call.record(capture, to_message(capture.assembled(True), tool_map), status, error))
+            except Exception as exc:
+                unrecorded = exc if isinstance(exc, ProxyError) else ProxyError(f"recording failed: {exc}")
+    if unrecorded is not None or error is not None:
+        failure = unrecorded.message if unrecorded is not None else str(error)
+        yield b"event: error\ndata: " + orjson.dumps(anthropic_error_body(502, failure)) + b"\n\n"
+        return
+    for event in pending:
+        yield event
+
+
+def _carries_output(chunk: dict[str, Any]) -> bool:
+    if chunk.get("usage"):
+        return True
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if (
+            choice.get("finish_reason")
+            or delta.get("content")
+            or delta.get("tool_calls")
+            or delta.get("reasoning_content")
+        ):
+            return True
+    return False
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    """Input tokens of a Messages request, as the upstream's chat template renders them."""
+    state: ProxyState = request.app.state.rlp
+    body = await read_json(request, state.settings.max_body_bytes)
+    chat, _ = to_chat({"max_tokens": 1, **body})
+    tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}
+    if chat.get("tools"):
+        tokenize["tools"] = chat["tools"]
+    resp = await state.upstream.send("POST", "/tokenize", tokenize, at_root=True)
+    raw = await state.upstream.read(resp)
+    data = orjson.loads(raw)
+    if not resp.ok:
+        message = str((data.get("error") or {}).get("message", data)) if isinstance(data, dict) else str(data)
+        return json_response(anthropic_error_body(resp.status, message), resp.status)
+    return json_response({"input_tokens": int(data["count"])})

@@ -1,0 +1,160 @@
+"""The forwarding core shared by every API surface: reading the body, finding the session,
+opening the upstream call, reading its stream, and recording the call however it ends.
+
+Each API module (openai_api.py, anthropic.py) translates its own request and answer shapes
+around these pieces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi import Request
+
+from proxy.capture import Capture
+from proxy.errors import BadRequest, BodyTooLarge, ProxyError, Unauthorized, UpstreamUnreachable
+from proxy.sessions import parse_key, request_key
+from proxy.state import ProxyState
+from recorder import CallRecord, SessionInfo
+from recorder.store import utcnow
+
+
+class UpstreamError(ProxyError):
+    """The upstream answered with an error of its own; `body` is its (OpenAI-shaped) answer."""
+
+    def __init__(self, status: int, body: Any, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400/413 in the OpenAI error shape."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+async def session_for(request: Request, state: ProxyState) -> SessionInfo:
+    key = request_key(request)
+    found = await state.store.session_by_key(key)
+    if found is not None:
+        return found
+    if not state.settings.create_sessions:
+        raise Unauthorized(f"unknown session key {key[:8]!r}...: create it through the admin API")
+    return await state.store.resolve_session(parse_key(key))
+
+
+@dataclass
+class Call:
+    """What is known of a call before its answer: enough to record it however it ends."""
+
+    state: ProxyState
+    api: str
+    session: SessionInfo
+    seq: int
+    request: dict[str, Any]
+    stream: bool
+    version: str | None
+
+    def __post_init__(self) -> None:
+        self.started = utcnow()
+
+    def record(
+        self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
+    ) -> CallRecord:
+        state = self.state
+        call = CallRecord(
+            session_id=self.session.id,
+            seq=self.seq,
+            api=self.api,
+            model=str(self.request.get("model")),
+            upstream=state.upstream.base_url,
+            stream=self.stream,
+            request=self.request,
+            response=response,
+            ok=error is None,
+            http_status=status,
+            error=error,
+            prompt_token_ids=capture.prompt_token_ids,
+            completions=capture.completions(),
+            policy_version=self.version,
+            policy_version_end=state.upstream.version,
+            started_at=self.started,
+            finished_at=utcnow(),
+        )
+        state.observe(call)
+        return call
+
+    async def commit(self, call: CallRecord) -> None:
+        try:
+            await self.state.store.record(call)
+        except Exception as exc:
+            raise ProxyError(f"the call could not be recorded, so it is not answered: {exc}") from exc
+
+
+async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Any]:
+    """Send the upstream request: (the response, its parsed JSON body if not streamed). Every
+    way it can fail is recorded as a failed call and raised as a named ProxyError."""
+    upstream = call.state.upstream
+    try:
+        resp = await upstream.send("POST", path, body)
+        raw = b"" if call.stream and resp.ok else await upstream.read(resp)
+    except ProxyError as exc:
+        await call.commit(call.record(Capture(), None, exc.status, exc.message))
+        raise
+    if not resp.ok:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            data = {"error": {"message": raw.decode(errors="replace")[:2000], "type": "upstream_error"}}
+        error = data.get("error") if isinstance(data, dict) else None
+        message = str(error.get("message", error)) if isinstance(error, dict) else str(data)
+        await call.commit(call.record(Capture(), data, resp.status, message))
+        raise UpstreamError(resp.status, data, message)
+    if call.stream:
+        return resp, None
+    try:
+        return resp, orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        await call.commit(call.record(Capture(), None, 502, "upstream answered with invalid JSON"))
+        raise UpstreamUnreachable(f"upstream answered with invalid JSON: {exc}") from exc
+
+
+class StreamBroken(Exception):
+    """The upstream stream failed or ended before `[DONE]`."""
+
+
+async def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The upstream's SSE chunks as dicts, until `[DONE]`; StreamBroken if it never comes."""
+    try:
+        async for line in resp.content:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return
+            chunk = orjson.loads(payload)
+            if "error" in chunk:
+                raise StreamBroken(str(chunk["error"].get("message", chunk["error"])))
+            yield chunk
+    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+        raise StreamBroken(f"upstream stream failed: {exc!r}") from exc
+    raise StreamBroken("upstream closed the stream before [DONE]")
