@@ -6,7 +6,7 @@ Completions with litellm's in-process adapter (no network), sent upstream like a
 Anthropic's whole SSE event sequence (message_start, content_block_start/delta/stop,
 message_delta, message_stop) for a stream. The call is recorded with the request and the answer
 in Anthropic's shape. Errors answer in Anthropic's error shape (see errors.py).
-Model aliases and completion caps for harnesses such as Claude Code are not handled yet.
+Model names and completion limits are fitted to the backend in forwarding.fit_to_backend.
 """
 
 from __future__ import annotations
@@ -25,7 +25,16 @@ from fastapi.responses import StreamingResponse
 
 from proxy.capture import Capture
 from proxy.errors import BadRequest, ProxyError, anthropic_error_body, json_response
-from proxy.forwarding import Call, StreamBroken, UpstreamError, open_upstream, read_json, session_for, stream_chunks
+from proxy.forwarding import (
+    Call,
+    StreamBroken,
+    UpstreamError,
+    fit_to_backend,
+    open_upstream,
+    read_json,
+    session_for,
+    stream_chunks,
+)
 from proxy.state import ProxyState
 
 API = "anthropic.messages"
@@ -103,6 +112,7 @@ async def messages(request: Request) -> Response:
     if stream:
         chat["stream_options"] = {"include_usage": True}
     call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
+    await fit_to_backend(call, chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)
     except UpstreamError as exc:
@@ -200,6 +210,8 @@ async def count_tokens(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings.max_body_bytes)
     chat, _ = to_chat({"max_tokens": 1, **body})
+    probe = Call(state, API, await session_for(request, state), 0, body, False, None)
+    await fit_to_backend(probe, chat)
     tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}
     if chat.get("tools"):
         tokenize["tools"] = chat["tools"]

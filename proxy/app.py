@@ -31,6 +31,7 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.open()
+        await upstream.refresh_models()
         upstream.start_version_polling(settings.version_poll_interval)
         try:
             yield

@@ -201,6 +201,9 @@ def sessions_show(session_id: str, db: DbOption = None, tokenizer: TokenizerOpti
         )  # fmt: skip
     console.print(table)
     for c in calls:
+        if c.rewrites:
+            changes = ", ".join(f"{name} {was!r} -> {now!r}" for name, (was, now) in c.rewrites.items())
+            console.print(f"call {c.seq} fitted to the backend: {changes}", markup=False, highlight=False)
         if c.error:
             console.print(f"[red]call {c.seq}:[/red] {c.error}")
     if not calls:

@@ -76,6 +76,7 @@ class Call:
 
     def __post_init__(self) -> None:
         self.started = utcnow()
+        self.rewrites: dict[str, Any] = {}
 
     def record(
         self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
@@ -99,6 +100,7 @@ class Call:
             policy_version_end=state.upstream.version,
             started_at=self.started,
             finished_at=utcnow(),
+            rewrites=self.rewrites,
         )
         state.observe(call)
         return call
@@ -108,6 +110,30 @@ class Call:
             await self.state.store.record(call)
         except Exception as exc:
             raise ProxyError(f"the call could not be recorded, so it is not answered: {exc}") from exc
+
+
+async def fit_to_backend(call: Call, body: dict[str, Any]) -> None:
+    """Map the requested model to a served one and cap the completion length, in the upstream
+    body (the recorded request stays as the client sent it); note each change in call.rewrites."""
+    settings, upstream = call.state.settings, call.state.upstream
+    if not upstream.models:
+        await upstream.refresh_models()
+    model = body.get("model")
+    policy = settings.policy_model or next(iter(upstream.models), None)
+    target = settings.model_aliases.get(str(model))
+    if target is None and settings.route_unknown_models and model not in upstream.models:
+        target = policy
+    if target is not None and target != model:
+        body["model"] = target
+        call.rewrites["model"] = [model, target]
+    # vLLM itself shortens a limit that the prompt leaves no room for, but refuses one longer
+    # than the whole context: so the cap is the smaller of the setting and the context length.
+    caps = [c for c in (settings.max_completion_tokens, upstream.models.get(str(body.get("model")))) if c]
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    asked = body.get(field)
+    if caps and (not isinstance(asked, int) or asked > min(caps)):
+        body[field] = min(caps)
+        call.rewrites[field] = [asked, min(caps)]
 
 
 async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Any]:

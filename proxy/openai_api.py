@@ -19,7 +19,16 @@ from fastapi.responses import StreamingResponse
 
 from proxy.capture import Capture, client_view
 from proxy.errors import BadRequest, ProxyError, error_body, json_response
-from proxy.forwarding import Call, StreamBroken, UpstreamError, open_upstream, read_json, session_for, stream_chunks
+from proxy.forwarding import (
+    Call,
+    StreamBroken,
+    UpstreamError,
+    fit_to_backend,
+    open_upstream,
+    read_json,
+    session_for,
+    stream_chunks,
+)
 from proxy.state import ProxyState
 
 router = APIRouter()
@@ -80,6 +89,7 @@ async def forward(request: Request, api: Api) -> Response:
         upstream_body["logprobs"] = True
     elif body.get("logprobs") is None:
         upstream_body["logprobs"] = 0
+    await fit_to_backend(call, upstream_body)
     try:
         resp, data = await open_upstream(call, api.path, upstream_body)
     except UpstreamError as exc:  # already in the OpenAI shape: passed through as is

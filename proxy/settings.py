@@ -38,6 +38,13 @@ class Settings(BaseSettings):
     admin_token: str | None = Field(None, description="bearer token of /admin (needed off loopback)")
     create_sessions: bool = Field(True, description="create unknown sessions on first use")
     max_body_bytes: int = 32 * 1024 * 1024
+    # What harnesses ask for that the backend cannot serve; every rewrite is recorded with the call.
+    model_aliases: dict[str, str] = Field(default_factory=dict, description="requested model -> served model")
+    route_unknown_models: bool = Field(True, description="send models the upstream does not serve to the policy")
+    policy_model: str | None = Field(None, description="the served model to route to; default: the first served")
+    max_completion_tokens: int | None = Field(
+        2048, description="cap on a completion's length (harnesses often ask for none, or 32000)"
+    )
     upstream_timeout: float = Field(600.0, description="seconds to wait for upstream data")
     upstream_connect_timeout: float = 10.0
     version_poll_interval: float = Field(1.0, description="seconds between GET /weight_info")

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.errors import UpstreamTimeout, UpstreamUnreachable
+from proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
 
 log = logging.getLogger("rl_proxy.upstream")
 
@@ -32,6 +32,7 @@ class Upstream:
         self.root = self.base_url.removesuffix("/v1")
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.version: str | None = None
+        self.models: dict[str, int | None] = {}  # served model -> its context length, if known
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
 
@@ -55,6 +56,16 @@ class Upstream:
 
     def start_version_polling(self, interval: float) -> None:
         self._poller = asyncio.create_task(self._poll_version(interval), name="weight-version")
+
+    async def refresh_models(self) -> None:
+        """Learn the served models and their context lengths (vLLM's `max_model_len`)."""
+        try:
+            resp = await self.send("GET", "/models")
+            data = orjson.loads(await self.read(resp)) if resp.ok else {}
+        except (ProxyError, ValueError) as exc:
+            log.warning("served models not read from %s: %s", self.base_url, exc)
+            return
+        self.models = {m["id"]: m.get("max_model_len") for m in data.get("data") or [] if isinstance(m, dict)}
 
     async def refresh_version(self) -> bool:
         """Read the weight version once; False if the upstream has no such route."""

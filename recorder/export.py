@@ -3,7 +3,7 @@ Parquet or a Hugging Face `datasets` directory.
 
 Rows are produced session by session from the store and written in batches, so memory stays
 bounded by one session and one batch. Parquet and HF exports have fixed schemas; the free-form
-request and response bodies of `calls` rows become JSON strings there.
+request, response and rewrites of `calls` rows become JSON strings there.
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ def _arrow_schema(kind: str) -> Any:
 
 
 def _flatten_bodies(row: dict[str, Any]) -> dict[str, Any]:
-    return {**row, "request": orjson.dumps(row["request"]).decode(), "response": orjson.dumps(row["response"]).decode()}
+    """Free-form fields as JSON strings, so that every batch has one schema."""
+    return {**row, **{name: orjson.dumps(row[name]).decode() for name in ("request", "response", "rewrites")}}
 
 
 async def export(

@@ -48,6 +48,7 @@ class CallRecord:
     policy_version_end: str | None
     started_at: datetime
     finished_at: datetime
+    rewrites: dict[str, Any] = field(default_factory=dict)  # what the proxy changed: {name: [was, now]}
 
     @property
     def latency_ms(self) -> float:

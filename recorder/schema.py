@@ -18,11 +18,12 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run.
 MIGRATIONS: dict[int, list[str]] = {
     1: ["ALTER TABLE rewards ADD COLUMN call_seq INTEGER"],  # per-call rewards
+    2: ["ALTER TABLE calls ADD COLUMN rewrites JSON"],  # model aliases and caps applied to a call
 }
 
 
@@ -104,6 +105,7 @@ class CallRow(Base):
     started_at: Mapped[datetime] = mapped_column(index=True)
     finished_at: Mapped[datetime]
     latency_ms: Mapped[float]
+    rewrites: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class CompletionRow(Base):

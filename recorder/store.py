@@ -124,7 +124,9 @@ _CALL_FIELDS = [f for f in CallRecord.__dataclass_fields__ if f != "completions"
 
 
 def _call_record(row: Any, completions: list[Completion]) -> CallRecord:
-    return CallRecord(**{name: row[name] for name in _CALL_FIELDS}, completions=completions)
+    fields = {name: row[name] for name in _CALL_FIELDS}
+    fields["rewrites"] = fields["rewrites"] or {}
+    return CallRecord(**fields, completions=completions)
 
 
 class Store:

@@ -102,7 +102,19 @@ def test_count_tokens_matches_the_recorded_prompt(proxy: RunningProxy, vllm: Ups
     assert counted.input_tokens == len(call.prompt_token_ids)
 
 
-def test_errors_come_in_anthropic_shape(proxy: RunningProxy, vllm: Upstream) -> None:
+def test_claude_code_style_request_is_fitted(proxy: RunningProxy, vllm: Upstream) -> None:
+    """Claude Code's own model names and 32000-token limit: served by the policy, capped, recorded."""
+    c = anthropic.Anthropic(base_url=proxy.url, api_key="a-claude", max_retries=0, default_query={"beta": "true"})
+    with c.messages.stream(model="claude-sonnet-4-5", max_tokens=32000, messages=ASK) as stream:
+        reply = stream.get_final_message()
+    assert reply.type == "message" and reply.content
+    [call] = proxy.calls("a-claude")
+    assert call.rewrites == {"model": ["claude-sonnet-4-5", vllm.model], "max_tokens": [32000, 2048]}
+    assert call.request["model"] == "claude-sonnet-4-5"
+
+
+def test_errors_come_in_anthropic_shape(make_proxy: Any, vllm: Upstream) -> None:
+    proxy = make_proxy(vllm.url, route_unknown_models=False)
     url = f"{proxy.url}/v1/messages?beta=true"
     headers = {"x-api-key": "a-errors", "anthropic-version": "2023-06-01"}
     cases = [

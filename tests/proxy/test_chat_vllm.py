@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -232,3 +233,27 @@ def test_fifty_concurrent_sessions_lose_nothing(proxy: RunningProxy, vllm: Upstr
         assert second.response["choices"][0]["message"]["content"] == answers[i][1]
         # turn 2's prompt extends turn 1's prompt and completion (token-level append)
         assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+
+
+def test_harness_model_names_and_limits_fitted_and_recorded(make_proxy: Any, vllm: Upstream) -> None:
+    """A harness asks for its own model name and an impossible length (Claude Code: 32000; Codex:
+    none): the call goes to the policy model with a capped limit, and each rewrite is recorded."""
+    proxy = make_proxy(vllm.url, max_completion_tokens=8, model_aliases={"judge-model": vllm.model})
+    client = OpenAI(base_url=proxy.v1, api_key="s-fit")
+    reply = client.chat.completions.create(model="claude-sonnet-4-5", messages=ASK, max_tokens=32000)
+    assert reply.usage is not None and reply.usage.completion_tokens <= 8
+    client.chat.completions.create(model="judge-model", messages=ASK)  # no limit at all
+    client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=4)  # nothing to change
+    first, second, third = proxy.calls("s-fit")
+    assert first.rewrites == {"model": ["claude-sonnet-4-5", vllm.model], "max_tokens": [32000, 8]}
+    assert first.request["model"] == "claude-sonnet-4-5"  # the request as the client sent it
+    assert second.rewrites == {"model": ["judge-model", vllm.model], "max_tokens": [None, 8]}
+    assert third.rewrites == {} and len(third.completions[0].token_ids) <= 4
+
+
+def test_a_limit_longer_than_the_context_is_fitted_to_it(make_proxy: Any, vllm: Upstream) -> None:
+    proxy = make_proxy(vllm.url, max_completion_tokens=None)
+    client = OpenAI(base_url=proxy.v1, api_key="s-context")
+    client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=100_000, temperature=0)
+    [call] = proxy.calls("s-context")
+    assert call.ok and call.rewrites == {"max_tokens": [100_000, 4096]}

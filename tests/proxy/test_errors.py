@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from proxy.backend import free_port
 from proxy.server import AppThread
-from tests.conftest import RunningProxy, Upstream
+from tests.conftest import Upstream
 from tests.stub_upstream import MODEL, stub_app
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -28,7 +28,8 @@ def assert_openai_error(resp: httpx.Response, status: int, mentions: str) -> dic
 
 
 @pytest.mark.vllm
-def test_bad_requests_then_good_ones_and_nothing_lost(proxy: RunningProxy, vllm: Upstream) -> None:
+def test_bad_requests_then_good_ones_and_nothing_lost(make_proxy: Any, vllm: Upstream) -> None:
+    proxy = make_proxy(vllm.url, route_unknown_models=False)
     url = f"{proxy.v1}/chat/completions"
     good = {"model": vllm.model, "messages": CHAT, "max_tokens": 2}
     client = OpenAI(base_url=proxy.v1, api_key="s-errors")
@@ -44,10 +45,9 @@ def test_bad_requests_then_good_ones_and_nothing_lost(proxy: RunningProxy, vllm:
         httpx.post(f"{proxy.v1}/completions", json={"model": vllm.model}, headers=headers), 400, "prompt"
     )
     assert_openai_error(httpx.post(url, json={**good, "model": "no-such-model"}, headers=headers), 404, "no-such-model")
-    # An error of the upstream's own (context too small for max_tokens) passes through as is.
-    assert_openai_error(
-        httpx.post(url, json={**good, "max_tokens": 10**6}, headers=headers, timeout=60), 400, "max_tokens"
-    )
+    # An error of the upstream's own passes through as is.
+    bad_temperature = httpx.post(url, json={**good, "temperature": -1}, headers=headers, timeout=60)
+    assert_openai_error(bad_temperature, 400, "temperature")
     assert_openai_error(httpx.get(f"{proxy.url}/v1/nothing-here", headers=headers), 404, "Not Found")
     client.chat.completions.create(**good)  # type: ignore[call-overload]
 
