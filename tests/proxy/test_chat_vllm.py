@@ -256,4 +256,4 @@ def test_a_limit_longer_than_the_context_is_fitted_to_it(make_proxy: Any, vllm: 
     client = OpenAI(base_url=proxy.v1, api_key="s-context")
     client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=100_000, temperature=0)
     [call] = proxy.calls("s-context")
-    assert call.ok and call.rewrites == {"max_tokens": [100_000, 4096]}
+    assert call.ok and call.rewrites == {"max_tokens": [100_000, vllm.max_model_len]}
