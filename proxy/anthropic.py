@@ -112,7 +112,7 @@ async def messages(request: Request) -> Response:
     if stream:
         chat["stream_options"] = {"include_usage": True}
     call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
-    await fit_to_backend(call, chat)
+    call.rewrites = await fit_to_backend(state, chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)
     except UpstreamError as exc:
@@ -210,8 +210,7 @@ async def count_tokens(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings.max_body_bytes)
     chat, _ = to_chat({"max_tokens": 1, **body})
-    probe = Call(state, API, await session_for(request, state), 0, body, False, None)
-    await fit_to_backend(probe, chat)
+    await fit_to_backend(state, chat)
     tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}
     if chat.get("tools"):
         tokenize["tools"] = chat["tools"]

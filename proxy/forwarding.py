@@ -112,10 +112,11 @@ class Call:
             raise ProxyError(f"the call could not be recorded, so it is not answered: {exc}") from exc
 
 
-async def fit_to_backend(call: Call, body: dict[str, Any]) -> None:
+async def fit_to_backend(state: ProxyState, body: dict[str, Any]) -> dict[str, Any]:
     """Map the requested model to a served one and cap the completion length, in the upstream
-    body (the recorded request stays as the client sent it); note each change in call.rewrites."""
-    settings, upstream = call.state.settings, call.state.upstream
+    body (the recorded request stays as the client sent it); return the changes made."""
+    settings, upstream = state.settings, state.upstream
+    rewrites: dict[str, Any] = {}
     if not upstream.models:
         await upstream.refresh_models()
     model = body.get("model")
@@ -125,7 +126,7 @@ async def fit_to_backend(call: Call, body: dict[str, Any]) -> None:
         target = policy
     if target is not None and target != model:
         body["model"] = target
-        call.rewrites["model"] = [model, target]
+        rewrites["model"] = [model, target]
     # vLLM itself shortens a limit that the prompt leaves no room for, but refuses one longer
     # than the whole context: so the cap is the smaller of the setting and the context length.
     caps = [c for c in (settings.max_completion_tokens, upstream.models.get(str(body.get("model")))) if c]
@@ -133,7 +134,8 @@ async def fit_to_backend(call: Call, body: dict[str, Any]) -> None:
     asked = body.get(field)
     if caps and (not isinstance(asked, int) or asked > min(caps)):
         body[field] = min(caps)
-        call.rewrites[field] = [asked, min(caps)]
+        rewrites[field] = [asked, min(caps)]
+    return rewrites
 
 
 async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Any]:

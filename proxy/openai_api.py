@@ -2,7 +2,7 @@
 
 Every upstream call asks for `return_token_ids` and logprobs; the client gets back only what it
 asked for. A call is committed to the store before its answer (or a stream's final `[DONE]`) is
-released. Responses API and Anthropic Messages come with issue 3, in modules of their own.
+released. Anthropic Messages live in anthropic.py; the Responses API is not served yet.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ async def forward(request: Request, api: Api) -> Response:
         upstream_body["logprobs"] = True
     elif body.get("logprobs") is None:
         upstream_body["logprobs"] = 0
-    await fit_to_backend(call, upstream_body)
+    call.rewrites = await fit_to_backend(state, upstream_body)
     try:
         resp, data = await open_upstream(call, api.path, upstream_body)
     except UpstreamError as exc:  # already in the OpenAI shape: passed through as is
