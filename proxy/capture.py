@@ -62,6 +62,7 @@ class Capture:
 
     def add_response(self, body: dict[str, Any]) -> None:
         self._prompt(body)
+        self.usage = body.get("usage")
         for raw in body.get("choices") or []:
             self._prompt(raw)
             choice = self.choices.setdefault(int(raw.get("index", 0)), _Choice())
@@ -90,6 +91,24 @@ class Capture:
             choice.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
             for call in delta.get("tool_calls") or []:
                 choice.add_tool_call_delta(call)
+
+    def incomplete(self) -> str | None:
+        """Why the captured tokens cannot be trusted, if they cannot: the upstream's own count of
+        prompt and completion tokens disagrees with the ids it sent (a stream chunk without
+        ids, as vLLM's tool-call parsing has been known to send)."""
+        if not self.usage:
+            return None
+        sampled = sum(len(c.token_ids) for c in self.choices.values())
+        expected = self.usage.get("completion_tokens")
+        if isinstance(expected, int) and sampled != expected:
+            return f"token capture incomplete: {sampled} token ids for {expected} completion tokens"
+        for c in self.choices.values():
+            if len(c.logprobs) != len(c.token_ids):
+                return f"token capture incomplete: {len(c.logprobs)} logprobs for {len(c.token_ids)} token ids"
+        prompt = self.usage.get("prompt_tokens")
+        if isinstance(prompt, int) and prompt != len(self.prompt_token_ids):
+            return f"token capture incomplete: {len(self.prompt_token_ids)} prompt ids for {prompt} prompt tokens"
+        return None
 
     def completions(self) -> list[Completion]:
         return [Completion(i, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(self.choices.items())]

@@ -82,6 +82,8 @@ class Call:
         self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
     ) -> CallRecord:
         state = self.state
+        if error is None and capture.choices:
+            error = capture.incomplete()  # answered, but never trained on as if complete
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,

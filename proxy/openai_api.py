@@ -85,6 +85,11 @@ async def forward(request: Request, api: Api) -> Response:
     keep_tokens = bool(body.get("return_token_ids"))
     keep_logprobs = bool(body.get("logprobs")) if api.chat else body.get("logprobs") is not None
     upstream_body = {**body, "return_token_ids": True}
+    given = body.get("stream_options")
+    options: dict[str, Any] = given if isinstance(given, dict) else {}
+    keep_usage = bool(options.get("include_usage"))
+    if stream:  # the usage chunk lets the capture check its own count
+        upstream_body["stream_options"] = {**options, "include_usage": True}
     if api.chat:
         upstream_body["logprobs"] = True
     elif body.get("logprobs") is None:
@@ -95,7 +100,8 @@ async def forward(request: Request, api: Api) -> Response:
     except UpstreamError as exc:  # already in the OpenAI shape: passed through as is
         return json_response(exc.body, exc.status)
     if stream:
-        return StreamingResponse(_relay(call, api, resp, keep_tokens, keep_logprobs), media_type="text/event-stream")
+        relay = _relay(call, api, resp, keep_tokens, keep_logprobs, keep_usage)
+        return StreamingResponse(relay, media_type="text/event-stream")
     capture = Capture()
     capture.add_response(data)
     client_view(data, keep_tokens, keep_logprobs)
@@ -104,7 +110,7 @@ async def forward(request: Request, api: Api) -> Response:
 
 
 async def _relay(
-    call: Call, api: Api, resp: aiohttp.ClientResponse, keep_tokens: bool, keep_logprobs: bool
+    call: Call, api: Api, resp: aiohttp.ClientResponse, keep_tokens: bool, keep_logprobs: bool, keep_usage: bool
 ) -> AsyncIterator[bytes]:
     """Relay the upstream's SSE chunk by chunk; record before the final `[DONE]`."""
     capture = Capture()
@@ -114,6 +120,10 @@ async def _relay(
     try:
         async for chunk in stream_chunks(resp):
             capture.add_chunk(chunk)
+            if not keep_usage:
+                if not chunk.get("choices") and chunk.get("usage"):
+                    continue  # the usage chunk the proxy asked for
+                chunk.pop("usage", None)
             yield b"data: " + orjson.dumps(client_view(chunk, keep_tokens, keep_logprobs)) + b"\n\n"
         status, error = 200, None
     except StreamBroken as exc:

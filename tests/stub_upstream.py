@@ -34,7 +34,8 @@ def _choice(stream: bool, index: int, text: str, token_ids: list[int], finish: s
     return body
 
 
-def stub_app(latency: float = 0.0, token_delay: float = 0.0) -> FastAPI:
+def stub_app(latency: float = 0.0, token_delay: float = 0.0, drop_token_ids_at: int | None = None) -> FastAPI:
+    """`drop_token_ids_at`: the stream chunk sent without its token ids (a faulty upstream)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -58,9 +59,15 @@ def stub_app(latency: float = 0.0, token_delay: float = 0.0) -> FastAPI:
             for i, token in enumerate(COMPLETION):
                 finish = "stop" if i == len(COMPLETION) - 1 else None
                 chunk["choices"] = [_choice(True, 0, f"t{token} ", [token], finish)]
+                if i == drop_token_ids_at:
+                    del chunk["choices"][0]["token_ids"]
+                    chunk["choices"][0]["logprobs"] = None
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 chunk.pop("prompt_token_ids", None)
                 await asyncio.sleep(token_delay)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)}
+                yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -12,6 +12,7 @@ from openai import OpenAI
 
 from proxy.backend import free_port
 from proxy.server import AppThread
+from recorder.trajectories import build_sequences
 from tests.conftest import Upstream
 from tests.stub_upstream import MODEL, stub_app
 
@@ -124,3 +125,21 @@ def test_client_leaving_mid_stream_is_recorded_with_the_tokens_so_far(make_proxy
     assert not call.ok and call.http_status == 499 and call.error == "client disconnected"
     assert 1 <= len(call.completions[0].token_ids) < 8
     assert call.prompt_token_ids
+
+
+def test_a_stream_missing_token_ids_is_answered_but_never_recorded_as_complete(make_proxy: Any) -> None:
+    with AppThread(stub_app(drop_token_ids_at=3)) as faulty, AppThread(stub_app()) as sound:
+        body = {"model": MODEL, "messages": CHAT, "stream": True}
+        bad = make_proxy(f"{faulty.url}/v1")
+        lines = httpx.post(f"{bad.v1}/chat/completions", json=body, headers={"x-api-key": "s-gap"}).text.splitlines()
+        assert lines[-2] == "data: [DONE]" and not any('"usage"' in line for line in lines)  # not asked for
+        good = make_proxy(f"{sound.url}/v1")
+        asked = {**body, "stream_options": {"include_usage": True}}
+        shown = httpx.post(f"{good.v1}/chat/completions", json=asked, headers={"x-api-key": "s-whole"}).text
+        assert '"completion_tokens":8' in shown
+    [gap] = bad.calls("s-gap")
+    assert not gap.ok and gap.http_status == 200
+    assert gap.error == "token capture incomplete: 7 token ids for 8 completion tokens"
+    assert "token capture incomplete" in build_sequences([gap]).skipped[0][1]
+    [whole] = good.calls("s-whole")
+    assert whole.ok and len(whole.completions[0].token_ids) == 8
