@@ -62,6 +62,10 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         raise BadRequest("'messages' is required and must be a non-empty list", param="messages")
     if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] < 1:
         raise BadRequest("'max_tokens' is required and must be a positive integer", param="max_tokens")
+    for tool in body.get("tools") or []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in (None, "custom"):  # web_search, code_execution, computer, bash, ...
+            raise BadRequest(f"hosted tool type {kind!r} cannot run on this backend; only custom tools", param="tools")
     contents = [m.get("content") for m in body["messages"] if isinstance(m, dict)]
     for block in [b for content in contents if isinstance(content, list) for b in content]:
         if isinstance(block, dict) and block.get("type") in ("image", "document"):

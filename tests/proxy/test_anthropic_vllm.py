@@ -15,6 +15,7 @@ pytestmark = pytest.mark.vllm
 
 ASK = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0}  # this anthropic SDK takes no temperature argument of its own
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search"}
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
 ADD = {
     "name": "add",
@@ -121,6 +122,7 @@ def test_errors_come_in_anthropic_shape(make_proxy: Any, vllm: Upstream) -> None
         ({"model": vllm.model, "messages": ASK}, 400, "max_tokens"),
         ({"model": vllm.model, "max_tokens": 5, "messages": [{"role": "user", "content": [IMAGE]}]}, 400, "image"),
         ({"model": "claude-not-served", "max_tokens": 5, "messages": ASK}, 404, "claude-not-served"),
+        ({"model": vllm.model, "max_tokens": 5, "messages": ASK, "tools": [WEB_SEARCH]}, 400, "web_search_20250305"),
     ]  # fmt: skip
     for body, status, mentions in cases:
         resp = httpx.post(url, json=body, headers=headers, timeout=60)
