@@ -94,9 +94,10 @@ def _object_arguments(chat_response: dict[str, Any]) -> None:
 
 
 def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[str, Any]:
+    """The Anthropic message for a chat answer (which it fixes up in place)."""
     from litellm.types.utils import ModelResponse
 
-    fields = {k: v for k, v in copy.deepcopy(chat_response).items() if k != "assembled_from_stream"}
+    fields = {k: v for k, v in chat_response.items() if k != "assembled_from_stream"}
     _object_arguments(fields)
     for choice in fields.get("choices") or []:  # vLLM says "stop" after a forced tool call
         if (choice.get("message") or {}).get("tool_calls") and choice.get("finish_reason") == "stop":

@@ -119,19 +119,18 @@ async def fit_to_backend(state: ProxyState, body: dict[str, Any]) -> dict[str, A
     body (the recorded request stays as the client sent it); return the changes made."""
     settings, upstream = state.settings, state.upstream
     rewrites: dict[str, Any] = {}
-    if not upstream.models:
-        await upstream.refresh_models()
+    served = await upstream.served_models()
     model = body.get("model")
-    policy = settings.policy_model or next(iter(upstream.models), None)
+    policy = settings.policy_model or next(iter(served), None)
     target = settings.model_aliases.get(str(model))
-    if target is None and settings.route_unknown_models and model not in upstream.models:
+    if target is None and settings.route_unknown_models and model not in served:
         target = policy
     if target is not None and target != model:
         body["model"] = target
         rewrites["model"] = [model, target]
     # vLLM itself shortens a limit that the prompt leaves no room for, but refuses one longer
     # than the whole context: so the cap is the smaller of the setting and the context length.
-    caps = [c for c in (settings.max_completion_tokens, upstream.models.get(str(body.get("model")))) if c]
+    caps = [c for c in (settings.max_completion_tokens, served.get(str(body.get("model")))) if c]
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     asked = body.get(field)
     if caps and (not isinstance(asked, int) or asked > min(caps)):

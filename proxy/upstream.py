@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ log = logging.getLogger("rl_proxy.upstream")
 
 # Stream chunks carry token ids (a first chunk holds the whole prompt's), so lines can be long.
 MAX_LINE = 64 * 1024 * 1024
+MODELS_RETRY = 10.0
 
 
 class Upstream:
@@ -33,6 +35,7 @@ class Upstream:
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.version: str | None = None
         self.models: dict[str, int | None] = {}  # served model -> its context length, if known
+        self._models_read_at = -MODELS_RETRY
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
 
@@ -56,6 +59,15 @@ class Upstream:
 
     def start_version_polling(self, interval: float) -> None:
         self._poller = asyncio.create_task(self._poll_version(interval), name="weight-version")
+
+    async def served_models(self) -> dict[str, int | None]:
+        """The served models; while none are known, asked again at most every MODELS_RETRY
+        seconds, so that an upstream without /models costs no extra request per call."""
+        now = time.monotonic()
+        if not self.models and now - self._models_read_at > MODELS_RETRY:
+            self._models_read_at = now
+            await self.refresh_models()
+        return self.models
 
     async def refresh_models(self) -> None:
         """Learn the served models and their context lengths (vLLM's `max_model_len`)."""

@@ -397,10 +397,6 @@ class Store:
                 return
             last = rows[-1][key.name]
 
-    async def count_calls(self) -> int:
-        async with self._sessions() as s:
-            return await s.scalar(select(func.count()).select_from(CallRow)) or 0
-
 
 def _settle(done: asyncio.Future[None], exc: BaseException | None) -> None:
     if done.done():
