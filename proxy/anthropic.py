@@ -12,7 +12,6 @@ Model names and completion limits are fitted to the backend in forwarding.fit_to
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
@@ -23,7 +22,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from proxy.capture import Capture
+from proxy.capture import Capture, carries_output
 from proxy.errors import BadRequest, ProxyError, anthropic_error_body, json_response
 from proxy.forwarding import (
     Call,
@@ -35,6 +34,7 @@ from proxy.forwarding import (
     session_for,
     stream_chunks,
 )
+from proxy.litellm_bridge import jsonable, litellm
 from proxy.state import ProxyState
 
 API = "anthropic.messages"
@@ -43,15 +43,10 @@ router = APIRouter()
 
 @cache
 def _adapter() -> Any:
-    # litellm takes seconds to import and would fetch a price list without this variable.
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm()
     from litellm.llms.anthropic.pass_through.adapters.transformation import AnthropicAdapter
 
     return AnthropicAdapter()
-
-
-def _jsonable(obj: Any) -> Any:
-    return orjson.loads(orjson.dumps(obj, default=lambda o: o.model_dump() if hasattr(o, "model_dump") else str(o)))
 
 
 def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -74,7 +69,7 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         chat, tool_map = _adapter().translate_completion_input_params_with_tool_mapping(copy.deepcopy(body))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise BadRequest(f"cannot translate this Messages request: {exc}") from exc
-    return _jsonable(chat), tool_map
+    return jsonable(chat), tool_map
 
 
 def _object_arguments(chat_response: dict[str, Any]) -> None:
@@ -103,7 +98,7 @@ def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[
         if (choice.get("message") or {}).get("tool_calls") and choice.get("finish_reason") == "stop":
             choice["finish_reason"] = "tool_calls"
     message = _adapter().translate_completion_output_params(ModelResponse(**fields), tool_map)
-    return dict(_jsonable(message))
+    return dict(jsonable(message))
 
 
 @router.post("/messages")
@@ -147,7 +142,7 @@ async def _relay(
         try:
             async for chunk in stream_chunks(resp):
                 capture.add_chunk(chunk)
-                if capture.head and not _carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
+                if capture.head and not carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
                     continue  # tokens the tool parser held back: recorded, but litellm would open a text block
                 # vLLM names a tool call's id in its first delta only; litellm gives every later
                 # delta without one a fresh id and so a new, nameless tool_use block.
@@ -183,30 +178,19 @@ async def _relay(
         with anyio.CancelScope(shield=True):  # see openai_api._relay
             resp.release()
             try:
-                await call.commit(call.record(capture, to_message(capture.assembled(True), tool_map), status, error))
-            except Exception as exc:
-                unrecorded = exc if isinstance(exc, ProxyError) else ProxyError(f"recording failed: {exc}")
+                message: dict[str, Any] | None = to_message(capture.assembled(True), tool_map)
+            except Exception as exc:  # recorded all the same, with its tokens
+                message, error = None, error or f"the answer could not be translated: {exc!r}"
+            try:
+                await call.commit(call.record(capture, message, status, error))
+            except ProxyError as exc:
+                unrecorded = exc
     if unrecorded is not None or error is not None:
         failure = unrecorded.message if unrecorded is not None else str(error)
         yield b"event: error\ndata: " + orjson.dumps(anthropic_error_body(502, failure)) + b"\n\n"
         return
     for event in pending:
         yield event
-
-
-def _carries_output(chunk: dict[str, Any]) -> bool:
-    if chunk.get("usage"):
-        return True
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if (
-            choice.get("finish_reason")
-            or delta.get("content")
-            or delta.get("tool_calls")
-            or delta.get("reasoning_content")
-        ):
-            return True
-    return False
 
 
 @router.post("/messages/count_tokens")

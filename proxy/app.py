@@ -11,6 +11,7 @@ from proxy.admin import admin, ops
 from proxy.anthropic import router as anthropic_router
 from proxy.errors import install_handlers
 from proxy.openai_api import router
+from proxy.responses import router as responses_router
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.upstream import Upstream
@@ -45,6 +46,7 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
     for prefix in ("/v1", "/s/{session}/v1"):
         app.include_router(router, prefix=prefix)
         app.include_router(anthropic_router, prefix=prefix)
+        app.include_router(responses_router, prefix=prefix)
     app.include_router(admin)
     app.include_router(ops)
     return app

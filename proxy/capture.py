@@ -127,13 +127,29 @@ class Capture:
             if c.tool_calls:
                 message["tool_calls"] = [c.tool_calls[k] for k in sorted(c.tool_calls)]
             choices.append({"index": i, "message": message, "finish_reason": c.finish_reason})
+        # A stream that broke before the upstream's usage chunk: counted from the captured ids.
+        counted = sum(len(c.token_ids) for c in self.choices.values())
+        usage = self.usage or {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": counted}
         return {
             **self.head,
             "object": "chat.completion" if chat else "text_completion",
             "choices": choices,
-            "usage": self.usage,
+            "usage": usage,
             "assembled_from_stream": True,
         }
+
+
+def carries_output(chunk: dict[str, Any]) -> bool:
+    """Whether a stream chunk has anything for the client: text, a tool call, a finish or usage.
+    vLLM's tool parser sends chunks with only token ids while it holds text back; a translating
+    route must not turn those into empty blocks or items."""
+    if chunk.get("usage"):
+        return True
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("finish_reason") or any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content")):
+            return True
+    return False
 
 
 def client_view(body: dict[str, Any], keep_tokens: bool, keep_logprobs: bool) -> dict[str, Any]:

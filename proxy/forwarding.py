@@ -1,7 +1,7 @@
 """The forwarding core shared by every API surface: reading the body, finding the session,
 opening the upstream call, reading its stream, and recording the call however it ends.
 
-Each API module (openai_api.py, anthropic.py) translates its own request and answer shapes
+Each API module (openai_api.py, anthropic.py, responses.py) translates its own request and answer shapes
 around these pieces.
 """
 
@@ -77,6 +77,7 @@ class Call:
     def __post_init__(self) -> None:
         self.started = utcnow()
         self.rewrites: dict[str, Any] = {}
+        self.response_id: str | None = None
 
     def record(
         self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
@@ -103,6 +104,7 @@ class Call:
             started_at=self.started,
             finished_at=utcnow(),
             rewrites=self.rewrites,
+            response_id=self.response_id,
         )
         state.observe(call)
         return call

@@ -2,7 +2,7 @@
 
 Every upstream call asks for `return_token_ids` and logprobs; the client gets back only what it
 asked for. A call is committed to the store before its answer (or a stream's final `[DONE]`) is
-released. Anthropic Messages live in anthropic.py; the Responses API is not served yet.
+released. Anthropic Messages live in anthropic.py, the Responses API in responses.py.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ class CallRecord:
     started_at: datetime
     finished_at: datetime
     rewrites: dict[str, Any] = field(default_factory=dict)  # what the proxy changed: {name: [was, now]}
+    response_id: str | None = None  # the Responses API's id of this answer (previous_response_id)
 
     @property
     def latency_ms(self) -> float:

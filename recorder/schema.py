@@ -18,12 +18,16 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run.
 MIGRATIONS: dict[int, list[str]] = {
     1: ["ALTER TABLE rewards ADD COLUMN call_seq INTEGER"],  # per-call rewards
     2: ["ALTER TABLE calls ADD COLUMN rewrites JSON"],  # model aliases and caps applied to a call
+    3: [  # Responses API ids, for previous_response_id
+        "ALTER TABLE calls ADD COLUMN response_id VARCHAR(64)",
+        "CREATE INDEX ix_calls_response_id ON calls (response_id)",
+    ],
 }
 
 
@@ -106,6 +110,7 @@ class CallRow(Base):
     finished_at: Mapped[datetime]
     latency_ms: Mapped[float]
     rewrites: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    response_id: Mapped[str | None] = mapped_column(String(64), index=True)
 
 
 class CompletionRow(Base):

@@ -372,6 +372,15 @@ class Store:
         async with self.engine.connect() as conn:
             return {seq: float(value) for seq, value in (await conn.execute(query)).all() if seq is not None}
 
+    async def stored_response(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The request and answer of a session's answered Responses call with this id."""
+        query = select(CallRow.request, CallRow.response).where(
+            CallRow.response_id == response_id, CallRow.session_id == session_id, CallRow.ok.is_(True)
+        )
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+        return None if row is None or row.response is None else (row.request, row.response)
+
     async def iter_calls(self, session_id: str | None = None, batch: int = 512) -> AsyncIterator[CallRecord]:
         """Every recorded call (of a session, in call order; else in insertion order), read in
         batches (bounded memory). Core queries, not ORM objects: several times faster."""

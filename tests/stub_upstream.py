@@ -34,8 +34,11 @@ def _choice(stream: bool, index: int, text: str, token_ids: list[int], finish: s
     return body
 
 
-def stub_app(latency: float = 0.0, token_delay: float = 0.0, drop_token_ids_at: int | None = None) -> FastAPI:
-    """`drop_token_ids_at`: the stream chunk sent without its token ids (a faulty upstream)."""
+def stub_app(
+    latency: float = 0.0, token_delay: float = 0.0, drop_token_ids_at: int | None = None, break_at: int | None = None
+) -> FastAPI:
+    """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
+    the stream sends a malformed event and ends, without `[DONE]`."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -57,6 +60,9 @@ def stub_app(latency: float = 0.0, token_delay: float = 0.0, drop_token_ids_at: 
         async def events():  # type: ignore[no-untyped-def]
             chunk = {**head, "object": "chat.completion.chunk", "prompt_token_ids": prompt}
             for i, token in enumerate(COMPLETION):
+                if i == break_at:
+                    yield b'data: {"choices": [{"delta": \n\n'
+                    return
                 finish = "stop" if i == len(COMPLETION) - 1 else None
                 chunk["choices"] = [_choice(True, 0, f"t{token} ", [token], finish)]
                 if i == drop_token_ids_at:

@@ -143,3 +143,29 @@ def test_a_stream_missing_token_ids_is_answered_but_never_recorded_as_complete(m
     assert "token capture incomplete" in build_sequences([gap]).skipped[0][1]
     [whole] = good.calls("s-whole")
     assert whole.ok and len(whole.completions[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    "path, body, last_event",
+    [
+        ("/chat/completions", {"messages": CHAT}, '"type":"upstream_error"'),
+        ("/messages", {"messages": CHAT, "max_tokens": 8}, '"type":"error"'),
+        ("/responses", {"input": "Hi"}, '"type":"response.failed"'),
+    ],
+)
+def test_a_malformed_upstream_stream_ends_with_an_error_event_and_a_failed_record(
+    make_proxy: Any, path: str, body: dict[str, Any], last_event: str
+) -> None:
+    """Every API: the stream breaks after three tokens with a malformed event (stub upstream)."""
+    with AppThread(stub_app(break_at=3)) as faulty:
+        proxy = make_proxy(f"{faulty.url}/v1")
+        request = {"model": MODEL, "stream": True, **body}
+        events = httpx.post(f"{proxy.v1}{path}", json=request, headers={"x-api-key": "s-broken"}).text.strip()
+        ok = httpx.post(f"{proxy.v1}{path}", json={**request, "stream": False}, headers={"x-api-key": "s-broken"})
+    last = events.split("\n\n")[-1]
+    assert last_event in last and "upstream stream failed" in last and "Traceback" not in events
+    assert "[DONE]" not in events and "message_stop" not in events and "response.completed" not in events
+    broken, after = proxy.calls("s-broken")
+    assert not broken.ok and broken.http_status == 502 and "upstream stream failed" in str(broken.error)
+    assert broken.completions[0].token_ids == [101, 102, 103]  # the tokens received before the break
+    assert ok.status_code == 200 and after.ok  # the session goes on

@@ -133,6 +133,8 @@ async def test_an_older_store_is_migrated_and_per_call_rewards_kept_apart(tmp_pa
     with sqlite3.connect(db) as conn:  # make it a version-1 store, as the first release wrote it
         conn.execute("alter table rewards drop column call_seq")
         conn.execute("alter table calls drop column rewrites")
+        conn.execute("drop index ix_calls_response_id")
+        conn.execute("alter table calls drop column response_id")
         conn.execute("update schema_version set version = 1")
     async with Store(str(db)) as store:
         await store.add_reward("a", 0.5, "judge", call_seq=1)
@@ -141,5 +143,6 @@ async def test_an_older_store_is_migrated_and_per_call_rewards_kept_apart(tmp_pa
         assert session.reward == 1.0 and session.calls == 1
         assert await store.call_rewards("a") == {1: 0.75}
     with sqlite3.connect(db) as conn:
-        assert conn.execute("select version from schema_version").fetchall() == [(3,)]
-        assert conn.execute("select rewrites from calls").fetchall() == [(None,)]
+        assert conn.execute("select version from schema_version").fetchall() == [(4,)]
+        assert conn.execute("select rewrites, response_id from calls").fetchall() == [(None, None)]
+        assert conn.execute("select name from sqlite_master where name = 'ix_calls_response_id'").fetchall()

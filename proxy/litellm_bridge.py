@@ -1,0 +1,25 @@
+"""What the translating routes (anthropic.py, responses.py) share around litellm's in-process
+translators: importing litellm quietly, and turning its pydantic objects into plain JSON."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+import orjson
+
+
+@cache
+def litellm() -> Any:
+    """litellm, imported once: it takes seconds, would fetch a price list without the variable,
+    and prints a provider hint to stdout for every model name it does not know."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    litellm.suppress_debug_info = True
+    return litellm
+
+
+def jsonable(obj: Any) -> Any:
+    return orjson.loads(orjson.dumps(obj, default=lambda o: o.model_dump() if hasattr(o, "model_dump") else str(o)))

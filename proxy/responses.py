@@ -1,0 +1,263 @@
+"""OpenAI Responses: `POST /v1/responses` and `GET /v1/responses/{id}`, recorded at token level.
+
+Like Messages (anthropic.py), a Responses request is translated to Chat Completions in process
+by litellm, sent upstream as a chat call (prompt ids, sampled ids and logprobs captured), and the
+answer translated back: one response object, or the event stream (response.created,
+response.in_progress, output_item/content_part/output_text or function_call_arguments events,
+response.completed). The call is recorded with the request and the response as the client
+sent and saw them, and the response's id.
+
+`previous_response_id` is resolved from the store, so it survives a restart: the conversation
+is the earlier request's input and its response's output, back along the chain, then the new
+input. As with OpenAI, `instructions` are not carried over. A session can only continue its
+own responses.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from functools import cache
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from proxy.capture import Capture, carries_output
+from proxy.errors import BadRequest, NotFound, ProxyError, json_response
+from proxy.forwarding import (
+    Call,
+    StreamBroken,
+    UpstreamError,
+    fit_to_backend,
+    open_upstream,
+    read_json,
+    session_for,
+    stream_chunks,
+)
+from proxy.litellm_bridge import jsonable, litellm
+from proxy.state import ProxyState
+from recorder import SessionInfo
+
+API = "openai.responses"
+router = APIRouter()
+
+TOOL_TYPES = ("function", "custom")  # the rest (web_search, file_search, computer, ...) are hosted
+INPUT_PARTS = ("input_text", "output_text", "text", "refusal")
+UNSUPPORTED = ("background", "conversation", "prompt")
+MAX_CHAIN = 10_000  # previous_response_id links followed before giving up
+
+
+@cache
+def _config() -> Any:
+    litellm()
+    from litellm.responses.litellm_completion_transformation.transformation import LiteLLMCompletionResponsesConfig
+
+    return LiteLLMCompletionResponsesConfig
+
+
+@cache
+def _event_stream() -> type:
+    litellm()
+    from litellm.responses.litellm_completion_transformation.streaming_iterator import (
+        LiteLLMCompletionStreamingIterator,
+    )
+
+    class EventStream(LiteLLMCompletionStreamingIterator):  # type: ignore[misc]
+        """litellm's event stream, keeping the proxy's response id: litellm would rewrite it into
+        an id of its own router (base64 of provider and model)."""
+
+        def _with_encoded_response_id(self, response: Any) -> Any:
+            return response
+
+    return EventStream
+
+
+class _Chunks:
+    """The upstream's chunks where litellm's event stream expects its own stream wrapper."""
+
+    logging_obj = None
+
+    def __init__(self, chunks: AsyncIterator[Any]) -> None:
+        self._chunks = chunks
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._chunks.__anext__()
+
+
+def validate(body: dict[str, Any]) -> None:
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    given, previous = body.get("input"), body.get("previous_response_id")
+    if not (isinstance(given, str) and given) and not (isinstance(given, list) and (given or previous)):
+        raise BadRequest("'input' is required and must be a non-empty string or list of items", param="input")
+    if previous is not None and not isinstance(previous, str):
+        raise BadRequest("'previous_response_id' must be a string", param="previous_response_id")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise BadRequest(f"'{name}' is not supported by this proxy", param=name)
+    for tool in body.get("tools") or []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in TOOL_TYPES:
+            raise BadRequest(f"hosted tool type {kind!r} cannot run on this backend: only function tools", "tools")
+    items = given if isinstance(given, list) else []
+    for item in items:
+        if not isinstance(item, dict):
+            raise BadRequest("every 'input' item must be an object", param="input")
+        content = item.get("content")
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in INPUT_PARTS:
+                raise BadRequest(f"input content of type {kind!r} is not supported by this backend", param="input")
+
+
+def _as_items(given: Any) -> list[Any]:
+    return [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given or [])
+
+
+async def conversation(state: ProxyState, session: SessionInfo, body: dict[str, Any]) -> list[Any]:
+    """The whole input: the chain of earlier responses (from the store), then this input."""
+    parts = [_as_items(body.get("input"))]
+    previous = body.get("previous_response_id")
+    while previous is not None and len(parts) <= MAX_CHAIN:
+        found = await state.store.stored_response(session.id, previous)
+        if found is None:
+            raise BadRequest(f"previous response with id {previous!r} not found", param="previous_response_id")
+        request, response = found
+        parts.append(_as_items(request.get("input")) + list(response.get("output") or []))
+        previous = request.get("previous_response_id")
+    return [item for part in reversed(parts) for item in part]
+
+
+def to_chat(body: dict[str, Any], items: list[Any], stream: bool) -> dict[str, Any]:
+    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    try:
+        chat = _config().transform_responses_api_request_to_chat_completion_request(
+            model=body["model"], input=items, responses_api_request=params, stream=stream
+        )
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise BadRequest(f"cannot translate this Responses request: {exc}") from exc
+    chat = jsonable(chat)
+    chat.update(return_token_ids=True, logprobs=True)
+    return dict(chat)
+
+
+def to_response(chat_response: dict[str, Any], body: dict[str, Any], response_id: str) -> dict[str, Any]:
+    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    fields = {k: v for k, v in chat_response.items() if k != "assembled_from_stream"}
+    response = _config().transform_chat_completion_response_to_responses_api_response(
+        request_input=body.get("input"), responses_api_request=params, chat_completion_response=fields
+    )
+    answer = {**jsonable(response), "id": response_id}
+    # vLLM answers a tool call with content "", which litellm turns into an empty message item
+    # (its stream leaves it out): dropped, so both agree and a replay adds no empty turn.
+    answer["output"] = [item for item in answer.get("output") or [] if not _empty_message(item)]
+    return answer
+
+
+def _empty_message(item: dict[str, Any]) -> bool:
+    parts = item.get("content") if item.get("type") == "message" else None
+    return isinstance(parts, list) and all(p.get("type") == "output_text" and not p.get("text") for p in parts)
+
+
+@router.post("/responses")
+async def responses(request: Request) -> Response:
+    state: ProxyState = request.app.state.rlp
+    body = await read_json(request, state.settings.max_body_bytes)
+    validate(body)
+    session = await session_for(request, state)
+    stream = bool(body.get("stream"))
+    chat = to_chat(body, await conversation(state, session, body), stream)
+    call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
+    call.response_id = f"resp_{uuid.uuid4().hex}"
+    call.rewrites = await fit_to_backend(state, chat)
+    try:
+        resp, data = await open_upstream(call, "/chat/completions", chat)
+    except UpstreamError as exc:  # already in the OpenAI shape: passed through as is
+        return json_response(exc.body, exc.status)
+    if stream:
+        return StreamingResponse(_relay(call, resp), media_type="text/event-stream")
+    capture = Capture()
+    capture.add_response(data)
+    answer = to_response(data, body, call.response_id)
+    await call.commit(call.record(capture, answer, resp.status))
+    return json_response(answer)
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _relay(call: Call, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """Responses events translated from the upstream's chunks; recorded before the final
+    response.completed (or response.incomplete) reaches the client."""
+    from litellm.types.utils import ModelResponseStream
+
+    body, response_id = call.request, str(call.response_id)
+    capture = Capture()
+
+    async def chunks() -> AsyncIterator[Any]:
+        async for chunk in stream_chunks(resp):
+            capture.add_chunk(chunk)
+            if capture.head and not carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
+                continue  # tokens the tool parser held back: recorded, but no item to open
+            yield ModelResponseStream(**{**chunk, "id": response_id})
+
+    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    events = _event_stream()(
+        model=body["model"],
+        litellm_custom_stream_wrapper=_Chunks(chunks()),
+        request_input=body.get("input"),
+        responses_api_request=params,
+    )
+    status: int = 499  # what stands if the client goes away mid-stream
+    error: str | None = "client disconnected"
+    final: dict[str, Any] | None = None
+    sequence = 0
+    try:
+        async for event in events:
+            data = {**jsonable(event), "sequence_number": sequence}
+            sequence += 1
+            if data["type"] in ("response.completed", "response.incomplete"):
+                final = data  # held back: the client sees the end only once the call is recorded
+            else:
+                yield _event(data)
+        status, error = (200, None) if final is not None else (502, "the upstream stream ended without a response")
+    except StreamBroken as exc:
+        status, error = 502, str(exc)
+    finally:
+        with anyio.CancelScope(shield=True):  # see openai_api._relay
+            resp.release()
+            try:
+                answer = final["response"] if final else to_response(capture.assembled(True), body, response_id)
+            except Exception as exc:  # recorded all the same, with its tokens
+                answer, error = None, error or f"the answer could not be translated: {exc!r}"
+            try:
+                await call.commit(call.record(capture, answer, status, error))
+            except ProxyError as exc:
+                status, error = 502, exc.message
+    if final is None or error is not None:
+        failed = {**(answer or {"id": response_id, "object": "response", "output": []}), "status": "failed",
+                  "error": {"code": "server_error", "message": str(error)}}  # fmt: skip
+        yield _event({"type": "response.failed", "response": failed, "sequence_number": sequence})
+        return
+    yield _event(final)
+
+
+@router.get("/responses/{response_id}")
+async def retrieve(request: Request, response_id: str) -> Response:
+    """A stored response of this session."""
+    state: ProxyState = request.app.state.rlp
+    session = await session_for(request, state)
+    found = await state.store.stored_response(session.id, response_id)
+    if found is None:
+        raise NotFound(f"response with id {response_id!r} not found")
+    return json_response(found[1])
