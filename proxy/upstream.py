@@ -44,7 +44,9 @@ class Upstream:
         if self._session is None:  # created inside the running loop, as aiohttp requires
             self._session = aiohttp.ClientSession(
                 timeout=self.timeout,
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                # Below uvicorn's 5 s (vLLM's server): an idle connection is dropped here before
+                # the server closes it under a request being sent.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
                 read_bufsize=MAX_LINE,
                 max_line_size=MAX_LINE,
                 max_field_size=MAX_LINE,
@@ -105,7 +107,10 @@ class Upstream:
         headers = {"Content-Type": "application/json"} if body is not None else None
         url = f"{self.root if at_root else self.base_url}{path}"
         try:
-            return await self.session.request(method, url, data=data, headers=headers)
+            try:
+                return await self.session.request(method, url, data=data, headers=headers)
+            except aiohttp.ServerDisconnectedError:  # a pooled connection the server had closed:
+                return await self.session.request(method, url, data=data, headers=headers)  # once more
         except asyncio.TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.base_url} timed out") from exc
         except aiohttp.ClientError as exc:

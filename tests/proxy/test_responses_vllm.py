@@ -26,6 +26,7 @@ ADD = {
 }
 FORCE_ADD = {"type": "function", "name": "add"}
 ASK_ADD = "Use the add tool to add 2 and 3."
+IMAGE = {"type": "input_image", "image_url": "http://example.com/a.png"}
 
 
 def client(url: str, key: str) -> openai.OpenAI:
@@ -132,8 +133,7 @@ async def _calls(store: Any, session: str) -> list[Any]:
     "body, named",
     [
         ({"tools": [{"type": "web_search"}]}, "'web_search'"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-         "'input_image'"),  # fmt: skip
+        ({"input": [{"role": "user", "content": [IMAGE]}]}, "'input_image'"),
         ({"background": True}, "'background'"),
         ({"input": ""}, "'input'"),
         ({"previous_response_id": "resp_never"}, "resp_never"),
