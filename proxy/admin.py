@@ -144,6 +144,7 @@ async def healthz(request: Request) -> dict[str, Any]:
         "status": "ok",
         "upstream": state.upstream.base_url,
         "policy_version": state.upstream.version,
+        "stream_gap": state.upstream.stream_gap,  # why streams are asked for whole, if they are
         "recorder_queue": state.store.queue_depth,
         "record_failures": state.store.write_failures,
     }

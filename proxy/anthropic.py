@@ -32,7 +32,7 @@ from proxy.forwarding import (
     open_upstream,
     read_json,
     session_for,
-    stream_chunks,
+    upstream_chunks,
 )
 from proxy.litellm_bridge import jsonable, litellm
 from proxy.state import ProxyState
@@ -118,7 +118,7 @@ async def messages(request: Request) -> Response:
     except UpstreamError as exc:
         return json_response(anthropic_error_body(exc.status, exc.message), exc.status)
     if stream:
-        return StreamingResponse(_relay(call, resp, tool_map, body["model"]), media_type="text/event-stream")
+        return StreamingResponse(_relay(call, resp, data, tool_map, body["model"]), media_type="text/event-stream")
     capture = Capture()
     capture.add_response(data)
     message = to_message(data, tool_map)
@@ -127,7 +127,7 @@ async def messages(request: Request) -> Response:
 
 
 async def _relay(
-    call: Call, resp: aiohttp.ClientResponse, tool_map: dict[str, str], model: str
+    call: Call, resp: aiohttp.ClientResponse, data: Any, tool_map: dict[str, str], model: str
 ) -> AsyncIterator[bytes]:
     """Anthropic SSE events translated from the upstream's chunks; recorded before message_stop
     reaches the client's end of the stream."""
@@ -140,7 +140,7 @@ async def _relay(
 
     async def chunks() -> AsyncIterator[Any]:
         try:
-            async for chunk in stream_chunks(resp):
+            async for chunk in upstream_chunks(resp, data):
                 capture.add_chunk(chunk)
                 if capture.head and not carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
                     continue  # tokens the tool parser held back: recorded, but litellm would open a text block

@@ -139,6 +139,27 @@ class Capture:
         }
 
 
+def as_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole answer as the stream chunks that carry it: one per choice (its text or message as
+    one delta, with all its token ids and logprobs), then the usage."""
+    head: dict[str, Any] = {k: body[k] for k in ("id", "created", "model") if k in body}
+    head["object"] = "chat.completion.chunk" if body.get("object") == "chat.completion" else body.get("object")
+    chunks: list[dict[str, Any]] = []
+    for choice in body.get("choices") or []:
+        raw: dict[str, Any] = {k: v for k, v in choice.items() if k != "message"}
+        if "message" in choice:
+            message = choice["message"] or {}
+            raw["delta"] = {k: v for k, v in message.items() if v is not None}
+            for i, call in enumerate(raw["delta"].get("tool_calls") or []):
+                call.setdefault("index", i)
+        chunks.append({**head, "choices": [raw]})
+    if chunks and body.get("prompt_token_ids") is not None:
+        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
+    if body.get("usage"):
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    return chunks
+
+
 def carries_output(chunk: dict[str, Any]) -> bool:
     """Whether a stream chunk has anything for the client: text, a tool call, a finish or usage.
     vLLM's tool parser sends chunks with only token ids while it holds text back; a translating

@@ -8,6 +8,7 @@ around these pieces.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,14 @@ import aiohttp
 import orjson
 from fastapi import Request
 
-from proxy.capture import Capture
+from proxy.capture import Capture, as_chunks
 from proxy.errors import BadRequest, BodyTooLarge, ProxyError, Unauthorized, UpstreamUnreachable
 from proxy.sessions import parse_key, request_key
 from proxy.state import ProxyState
 from recorder import CallRecord, SessionInfo
 from recorder.store import utcnow
+
+log = logging.getLogger("rl_proxy.proxy")
 
 
 class UpstreamError(ProxyError):
@@ -78,6 +81,7 @@ class Call:
         self.started = utcnow()
         self.rewrites: dict[str, Any] = {}
         self.response_id: str | None = None
+        self.upstream_stream = self.stream and self.state.upstream.stream_gap is None
 
     def record(
         self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
@@ -85,6 +89,9 @@ class Call:
         state = self.state
         if error is None and capture.choices:
             error = capture.incomplete()  # answered, but never trained on as if complete
+            if error and self.upstream_stream and state.upstream.stream_gap is None:
+                log.warning("upstream stream lost token ids (%s): streams are asked for whole from now on", error)
+                state.upstream.stream_gap = error
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,
@@ -145,9 +152,11 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
     """Send the upstream request: (the response, its parsed JSON body if not streamed). Every
     way it can fail is recorded as a failed call and raised as a named ProxyError."""
     upstream = call.state.upstream
+    if call.stream and not call.upstream_stream:
+        body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
     try:
         resp = await upstream.send("POST", path, body)
-        raw = b"" if call.stream and resp.ok else await upstream.read(resp)
+        raw = b"" if call.upstream_stream and resp.ok else await upstream.read(resp)
     except ProxyError as exc:
         await call.commit(call.record(Capture(), None, exc.status, exc.message))
         raise
@@ -160,13 +169,24 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
         message = str(error.get("message", error)) if isinstance(error, dict) else str(data)
         await call.commit(call.record(Capture(), data, resp.status, message))
         raise UpstreamError(resp.status, data, message)
-    if call.stream:
+    if call.upstream_stream:
         return resp, None
     try:
         return resp, orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         await call.commit(call.record(Capture(), None, 502, "upstream answered with invalid JSON"))
         raise UpstreamUnreachable(f"upstream answered with invalid JSON: {exc}") from exc
+
+
+def upstream_chunks(resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[dict[str, Any]]:
+    """A streamed call's chunks: the upstream's stream, or the whole answer it was asked for
+    instead (after a stream lost token ids) as the chunks that carry it."""
+    return stream_chunks(resp) if data is None else _replay(as_chunks(data))
+
+
+async def _replay(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for chunk in chunks:
+        yield chunk
 
 
 class StreamBroken(Exception):

@@ -21,5 +21,11 @@ def litellm() -> Any:
     return litellm
 
 
+def _plain(obj: Any) -> Any:
+    # warnings=False: litellm's union-typed fields would otherwise have pydantic format a repr of
+    # the whole object for a warning nobody reads (half the cost of translating an answer).
+    return obj.model_dump(warnings=False) if hasattr(obj, "model_dump") else str(obj)
+
+
 def jsonable(obj: Any) -> Any:
-    return orjson.loads(orjson.dumps(obj, default=lambda o: o.model_dump() if hasattr(o, "model_dump") else str(o)))
+    return orjson.loads(orjson.dumps(obj, default=_plain))

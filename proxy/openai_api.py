@@ -27,7 +27,7 @@ from proxy.forwarding import (
     open_upstream,
     read_json,
     session_for,
-    stream_chunks,
+    upstream_chunks,
 )
 from proxy.state import ProxyState
 
@@ -100,7 +100,7 @@ async def forward(request: Request, api: Api) -> Response:
     except UpstreamError as exc:  # already in the OpenAI shape: passed through as is
         return json_response(exc.body, exc.status)
     if stream:
-        relay = _relay(call, api, resp, keep_tokens, keep_logprobs, keep_usage)
+        relay = _relay(call, api, resp, data, keep_tokens, keep_logprobs, keep_usage)
         return StreamingResponse(relay, media_type="text/event-stream")
     capture = Capture()
     capture.add_response(data)
@@ -110,7 +110,13 @@ async def forward(request: Request, api: Api) -> Response:
 
 
 async def _relay(
-    call: Call, api: Api, resp: aiohttp.ClientResponse, keep_tokens: bool, keep_logprobs: bool, keep_usage: bool
+    call: Call,
+    api: Api,
+    resp: aiohttp.ClientResponse,
+    data: Any,
+    keep_tokens: bool,
+    keep_logprobs: bool,
+    keep_usage: bool,
 ) -> AsyncIterator[bytes]:
     """Relay the upstream's SSE chunk by chunk; record before the final `[DONE]`."""
     capture = Capture()
@@ -118,7 +124,7 @@ async def _relay(
     error: str | None = "client disconnected"
     unrecorded: ProxyError | None = None
     try:
-        async for chunk in stream_chunks(resp):
+        async for chunk in upstream_chunks(resp, data):
             capture.add_chunk(chunk)
             if not keep_usage:
                 if not chunk.get("choices") and chunk.get("usage"):

@@ -36,7 +36,7 @@ from proxy.forwarding import (
     open_upstream,
     read_json,
     session_for,
-    stream_chunks,
+    upstream_chunks,
 )
 from proxy.litellm_bridge import jsonable, litellm
 from proxy.state import ProxyState
@@ -184,7 +184,7 @@ async def responses(request: Request) -> Response:
     except UpstreamError as exc:  # already in the OpenAI shape: passed through as is
         return json_response(exc.body, exc.status)
     if stream:
-        return StreamingResponse(_relay(call, resp), media_type="text/event-stream")
+        return StreamingResponse(_relay(call, resp, data), media_type="text/event-stream")
     capture = Capture()
     capture.add_response(data)
     answer = to_response(data, body, call.response_id)
@@ -196,7 +196,7 @@ def _event(data: dict[str, Any]) -> bytes:
     return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-async def _relay(call: Call, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+async def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[bytes]:
     """Responses events translated from the upstream's chunks; recorded before the final
     response.completed (or response.incomplete) reaches the client."""
     from litellm.types.utils import ModelResponseStream
@@ -205,7 +205,7 @@ async def _relay(call: Call, resp: aiohttp.ClientResponse) -> AsyncIterator[byte
     capture = Capture()
 
     async def chunks() -> AsyncIterator[Any]:
-        async for chunk in stream_chunks(resp):
+        async for chunk in upstream_chunks(resp, data):
             capture.add_chunk(chunk)
             if capture.head and not carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
                 continue  # tokens the tool parser held back: recorded, but no item to open

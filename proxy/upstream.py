@@ -35,6 +35,9 @@ class Upstream:
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.version: str | None = None
         self.models: dict[str, int | None] = {}  # served model -> its context length, if known
+        # Set once one of its streams lost token ids: streamed calls are then asked for whole
+        # and replayed to the client as a stream (forwarding.open_upstream).
+        self.stream_gap: str | None = None
         self._models_read_at = -MODELS_RETRY
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None

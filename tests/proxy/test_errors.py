@@ -145,6 +145,31 @@ def test_a_stream_missing_token_ids_is_answered_but_never_recorded_as_complete(m
     assert whole.ok and len(whole.completions[0].token_ids) == 8
 
 
+def test_after_a_stream_lost_token_ids_streams_are_served_from_whole_answers(make_proxy: Any) -> None:
+    """Every API streams on, from whole upstream answers, with every token recorded (stub upstream)."""
+    with AppThread(stub_app(drop_token_ids_at=3)) as faulty:
+        proxy = make_proxy(f"{faulty.url}/v1")
+        client = OpenAI(base_url=proxy.v1, api_key="s-fallback", max_retries=0)
+        chat = {"model": MODEL, "messages": CHAT}
+        first = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True))
+        assert httpx.get(f"{proxy.url}/healthz").json()["stream_gap"].startswith("token capture incomplete")
+        again = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True))
+        messages = httpx.post(f"{proxy.v1}/messages", json={**chat, "max_tokens": 8, "stream": True},
+                              headers={"x-api-key": "s-fallback"}).text  # fmt: skip
+        with client.responses.stream(model=MODEL, input="Hi") as stream:
+            response = stream.get_final_response()
+    # The stub writes "t101 t102 ..." when streaming and "stub answer" when not.
+    assert first.startswith("t101 t102") and again == "stub answer"
+    assert "message_stop" in messages and "stub answer" in messages
+    assert response.output_text == "stub answer" and response.status == "completed"
+    gap, *rest = proxy.calls("s-fallback")
+    assert not gap.ok and "token capture incomplete" in str(gap.error)
+    assert [c.api for c in rest] == ["chat.completions", "anthropic.messages", "openai.responses"]
+    for call in rest:
+        assert call.ok and call.stream and call.completions[0].token_ids == [101, 102, 103, 104, 105, 106, 107, 2]
+        assert len(call.completions[0].logprobs) == 8 and call.prompt_token_ids
+
+
 @pytest.mark.parametrize(
     "path, body, last_event",
     [
