@@ -127,10 +127,17 @@ async def post_reward(session_id: str, body: RewardIn, request: Request) -> dict
     return session_json(await _existing(request, session_id))
 
 
+class SessionEnd(BaseModel):
+    status: str = Field("ended", max_length=16, pattern=r"^[a-z_]+$")
+    outcome: dict[str, Any] | None = Field(None, description="how the episode went; kept in the metadata")
+
+
 @admin.post("/sessions/{session_id}/end")
-async def end_session(session_id: str, request: Request) -> dict[str, Any]:
-    await _existing(request, session_id)
-    await _state(request).store.end_session(session_id)
+async def end_session(session_id: str, request: Request, body: SessionEnd | None = None) -> dict[str, Any]:
+    info = await _existing(request, session_id)
+    body = body or SessionEnd()
+    metadata = None if body.outcome is None else {**info.metadata, "outcome": body.outcome}
+    await _state(request).store.end_session(session_id, body.status, metadata)
     return session_json(await _existing(request, session_id))
 
 

@@ -270,6 +270,41 @@ def export(
     console.print(f"wrote {count} {kind} rows to {out}")
 
 
+@app.command()
+def collect(
+    config: Annotated[Path, typer.Argument(help="the run's YAML config (see harness_adapters/config.py)")],
+    upstream: Annotated[str | None, typer.Option(help="attach to this upstream instead of the config's")] = None,
+) -> None:
+    """Run a config's harness episodes through the proxy without training; print success per task."""
+    from harness_adapters.collect import collect as run_collect
+    from harness_adapters.config import ConfigError, load_config
+    from harness_adapters.runner import summary
+    from harness_adapters.tasks import TaskError
+
+    try:
+        loaded = load_config(config)
+        if upstream:
+            loaded.proxy.upstream = upstream
+        results, path, db = run_collect(loaded)
+    except (ConfigError, TaskError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from exc
+    table = Table("task", "episodes", "success", "mean reward", "failed", "timeout", "no calls",
+                  title=f"run {loaded.run}: success = reward >= {loaded.success_at:g}")  # fmt: skip
+    rows = summary(results, loaded.success_at)
+    for r in rows:
+        mean = "-" if r["mean_reward"] is None else f"{r['mean_reward']:.2f}"
+        table.add_row(r["task"], str(r["episodes"]), str(r["success"]), mean, str(r["failed"]), str(r["timeout"]),
+                      str(r["no_calls"]))  # fmt: skip
+    wins = sum(r["success"] for r in rows)
+    table.add_row("all", str(len(results)), f"{wins} ({wins / max(len(results), 1):.0%})", "", "", "", "")
+    console.print(table)
+    for r in results:
+        if r.status == "no_calls":
+            console.print(f"[yellow]{r.session_id}[/yellow] (task {r.task.id}): {r.error}", highlight=False)
+    console.print(f"episodes: {path}" + (f"\nstore: {db}  (rl-proxy export --db {db} ...)" if db else ""))
+
+
 def _log_setup() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

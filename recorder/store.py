@@ -329,8 +329,13 @@ class Store:
         }  # fmt: skip
         await self.submit(lambda conn: conn.execute(insert(RewardRow).values(values)))
 
-    async def end_session(self, session_id: str) -> None:
-        ended = update(SessionRow).where(SessionRow.id == session_id).values(status="ended", ended_at=utcnow())
+    async def end_session(self, session_id: str, status: str = "ended", metadata: dict[str, Any] | None = None) -> None:
+        """Mark a session finished: `status` says how ("ended", or an episode's "ok", "failed",
+        "timeout", "no_calls"); `metadata`, if given, replaces its metadata."""
+        values: dict[str, Any] = {"status": status, "ended_at": utcnow()}
+        if metadata is not None:
+            values["metadata"] = metadata
+        ended = update(SessionRow).where(SessionRow.id == session_id).values(values)
         await self.submit(lambda conn: conn.execute(ended))
         for key, info in list(self._by_key.items()):
             if info.id == session_id:

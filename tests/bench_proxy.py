@@ -1,13 +1,17 @@
 """Proxy overhead benchmark (`make bench`): rl-proxy and a LiteLLM proxy side by side.
 
-All three targets answer the same Chat Completions request from the same fixed-latency STUB
-upstream (tests/stub_upstream.py, not vLLM), so what differs is each proxy's own cost:
+All targets answer the same request from the same fixed-latency STUB upstream
+(tests/stub_upstream.py, not vLLM), so what differs is each proxy's own cost:
   direct    -> stub
   rl-proxy  -> stub   (recording every call into SQLite before answering)
   litellm   -> stub   (LiteLLM proxy, no database, default settings)
 At each concurrency, rounds alternate between targets so that machine noise hits all three
 alike. Added latency = a target's latency minus the direct median of the same level and round.
 The load generator is aiohttp in this process; servers run in their own processes.
+
+A second table gives the cost of translation: the same question asked of rl-proxy as Chat
+Completions, Anthropic Messages and OpenAI Responses (each translated to a chat call upstream),
+whole and streamed, against a direct chat call of the same kind.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ from proxy.backend import free_port
 from tests.stub_upstream import MODEL
 
 LITELLM_KEY = "sk-bench-only"
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello in five words."}], "max_tokens": 16}
+ASK = "Say hello in five words."
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 16}
+API_BODIES = {  # path: request
+    "chat/completions": BODY,
+    "messages": {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 16},
+    "responses": {"model": MODEL, "input": ASK, "max_output_tokens": 16},
+}
 
 
 @contextmanager
@@ -61,8 +71,9 @@ def process(args: list[str], health: str, log: Path, env: dict[str, str] | None 
             proc.kill()
 
 
-async def load(url: str, concurrency: int, requests: int, key: str) -> list[float]:
-    """`requests` calls from `concurrency` workers; each call's latency in ms."""
+async def load(url: str, concurrency: int, requests: int, key: str, body: dict | None = None) -> list[float]:
+    """`requests` calls from `concurrency` workers; each call's latency in ms (a stream's: until
+    its last byte)."""
     latencies: list[float] = []
     todo = iter(range(requests))
     headers = {"Authorization": f"Bearer {key}"}
@@ -72,7 +83,7 @@ async def load(url: str, concurrency: int, requests: int, key: str) -> list[floa
         async def worker() -> None:
             for _ in todo:
                 start = time.perf_counter()
-                async with session.post(url, json=BODY) as resp:
+                async with session.post(url, json=body or BODY) as resp:
                     await resp.read()
                     if resp.status != 200:
                         raise RuntimeError(f"{url} answered {resp.status}")
@@ -92,6 +103,7 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0, help="approximate length of one batch")
+    parser.add_argument("--api-level", type=int, default=16, help="concurrency of the translation table")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlp-bench-"))
     stub_port, rlp_port, litellm_port = free_port(), free_port(), free_port()
@@ -141,6 +153,8 @@ def main() -> None:
                 row[f"{name} p99"] = p99(added[name])
             rows.append(row)
             print(f"  concurrency {level}: done", file=sys.stderr)
+        api_rows, sent = translation_cost(stub, f"http://127.0.0.1:{rlp_port}/v1", args)
+        sent_to_rlp += sent
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
     print(f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
           f"{args.rounds} interleaved rounds)\n")  # fmt: skip
@@ -150,9 +164,43 @@ def main() -> None:
     for r in rows:
         print(f"| {r['level']} | {r['requests']} | {r['direct']:.1f} | {r['rl-proxy median']:.2f} | "
               f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} |")  # fmt: skip
+    print(f"\nAdded latency of each API through rl-proxy over a direct chat call of the same kind, ms "
+          f"({args.api_level} concurrent clients, stub upstream)\n")  # fmt: skip
+    print("| API | mode | direct median | added median | added p99 |")
+    print("|---|---|---:|---:|---:|")
+    for api, mode, direct, median, high in api_rows:
+        print(f"| {api} | {mode} | {direct:.1f} | {median:.2f} | {high:.2f} |")
     print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
     if recorded != sent_to_rlp:
         sys.exit("calls were lost")
+
+
+def translation_cost(stub: str, rlp: str, args: argparse.Namespace) -> tuple[list[tuple], int]:
+    """Rows of (API, mode, direct median, added median, added p99), and the calls sent to rl-proxy."""
+    level = args.api_level
+    requests = max(level * 4, int(args.seconds * level / args.latency))
+    rows, sent = [], 0
+    for stream in (False, True):
+        mode = "stream" if stream else "whole"
+        targets = {"direct": (f"{stub}/chat/completions", BODY)}
+        targets |= {path: (f"{rlp}/{path}", body) for path, body in API_BODIES.items()}
+        added: dict[str, list[float]] = {path: [] for path in API_BODIES}
+        direct: list[float] = []
+        for url, body in targets.values():  # litellm's translators are imported on first use
+            asyncio.run(load(url, 4, 40, "warmup", {**body, "stream": stream}))
+        for round_ in range(args.rounds):
+            key = f"bench-api-{mode}-{round_}"
+            got = {name: asyncio.run(load(url, level, requests, key, {**body, "stream": stream}))
+                   for name, (url, body) in targets.items()}  # fmt: skip
+            sent += requests * len(API_BODIES)
+            base = statistics.median(got["direct"])
+            direct += got["direct"]
+            for path in added:
+                added[path] += [x - base for x in got[path]]
+        for path, values in added.items():
+            rows.append((path, mode, statistics.median(direct), statistics.median(values), p99(values)))
+        print(f"  translation, {mode}: done", file=sys.stderr)
+    return rows, sent
 
 
 if __name__ == "__main__":

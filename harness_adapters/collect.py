@@ -1,0 +1,63 @@
+"""`rl-proxy collect`: run a config's episodes through a proxy (started here, in front of a
+vLLM launched here or of any upstream, or one already running) without training."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from harness_adapters.config import CollectConfig
+from harness_adapters.runner import EpisodeResult, EpisodeRunner, write_results
+from harness_adapters.tasks import load_tasks
+
+POLICY = "policy"  # the model name harnesses get when the served one is not known: the proxy maps it
+
+
+@contextmanager
+def proxy_for(config: CollectConfig) -> Iterator[tuple[str, str, str | None]]:
+    """(proxy URL, model name for harnesses, store URL or None when the proxy is someone else's)."""
+    given = config.proxy
+    if given.url:
+        yield given.url.rstrip("/"), POLICY, None
+        return
+    from proxy.app import create_app
+    from proxy.server import AppThread, backend_for
+    from proxy.settings import Settings
+
+    fields: dict[str, Any] = {
+        "upstream": given.upstream, "model": given.model, "db": given.db or str(config.out_dir / "rl-proxy.db"),
+        "max_model_len": given.max_model_len, "max_completion_tokens": given.max_completion_tokens,
+    }  # fmt: skip
+    settings = Settings(**{k: v for k, v in fields.items() if v is not None})
+    with backend_for(settings) as (settings, _), AppThread(create_app(settings)) as proxy:
+        yield proxy.url, settings.served_model_name or POLICY, settings.db
+
+
+def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeResult], Path, str | None]:
+    """Run every episode; (results, the results file, the store)."""
+    tasks = load_tasks(config.path(config.tasks), None if config.split == "all" else config.split)
+    adapter, rewards = config.adapter(), config.reward_sources()
+    out = config.out_dir
+    total = len(tasks) * config.episodes_per_task
+    columns = (TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+               TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    with proxy_for(config) as (url, model, db), Progress(*columns, disable=not progress) as bar:
+        runner = EpisodeRunner(url, adapter, rewards, model, out / "episodes", config.run, config.timeout,
+                               config.concurrency, config.proxy.admin_token)  # fmt: skip
+        job = bar.add_task("episodes", total=total, rate="")
+        finished: list[EpisodeResult] = []
+
+        def done(result: EpisodeResult) -> None:
+            finished.append(result)
+            wins = sum(r.success(config.success_at) for r in finished)
+            bar.update(job, advance=1, rate=f"success {wins}/{len(finished)}")
+
+        results = asyncio.run(runner.run_all(tasks, config.episodes_per_task, done))
+    path = out / "episodes.jsonl"
+    write_results(results, path)
+    return results, path, db

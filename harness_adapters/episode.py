@@ -1,0 +1,256 @@
+"""One episode: a harness run once on one task, talking to the proxy under its own session.
+
+Every adapter has the same shape: `await adapter.run(task, endpoint, workdir, timeout)` returns
+an `Outcome` and never raises for what the harness does (a crash, a hang, an exception in an
+agent): those become outcomes with status "failed" or "timeout" and a log.
+
+Adapters:
+- `CommandAdapter`: any CLI harness, in its own process group, killed whole at its timeout.
+- `PythonAdapter`: `async def agent(client, task)` given a ready `AsyncOpenAI` client.
+- `AgentsSdkAdapter`: an OpenAI Agents SDK `Agent`, run with a model bound to the proxy.
+- `LangChainAdapter`: a LangChain/LangGraph runnable built around a `ChatOpenAI` on the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from harness_adapters.tasks import Task
+
+OUTPUT_CHARS = 20_000  # of a harness's stdout kept as its output
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where an episode's harness talks to: the proxy (its root URL) under the episode's key."""
+
+    url: str
+    api_key: str
+    model: str
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.url.rstrip('/')}/v1"
+
+    def env(self) -> dict[str, str]:
+        """The variables harnesses read for their endpoint, all pointing at the proxy."""
+        v1, root = self.openai_base_url, self.url.rstrip("/")
+        return {
+            "OPENAI_BASE_URL": v1, "OPENAI_API_BASE": v1, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model,
+            "ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": self.api_key, "ANTHROPIC_MODEL": self.model,
+            "RLP_BASE_URL": root, "RLP_SESSION_KEY": self.api_key, "RLP_MODEL": self.model,
+        }  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    status: str  # "ok", "failed" or "timeout"
+    output: str = ""  # the final answer (python adapters) or the end of stdout (commands)
+    error: str | None = None
+    exit_code: int | None = None
+    log: str | None = None  # path of the harness's log
+    seconds: float = 0.0
+    artifacts: list[str] = field(default_factory=list)  # files the harness left in its workdir
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("status", "output", "error", "exit_code", "log", "seconds")}
+
+
+class Adapter(Protocol):
+    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome: ...
+
+
+def load_callable(ref: str) -> Callable[..., Any]:
+    """`package.module:name` or `path/to/file.py:name`."""
+    module_ref, _, name = ref.rpartition(":")
+    if not module_ref or not name:
+        raise ValueError(f"{ref!r}: expected 'module:function' or 'file.py:function'")
+    if module_ref.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(Path(module_ref).stem, module_ref)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{ref!r}: cannot load {module_ref}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_ref)
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise ValueError(f"{ref!r}: {module_ref} has no function {name!r}")
+    return found  # type: ignore[no-any-return]
+
+
+def template_values(task: Task, endpoint: Endpoint, workdir: Path) -> dict[str, Any]:
+    """What `{name}` may stand for in a command, its environment and its files."""
+    return {
+        **task.data, "task_id": task.id, "prompt": task.prompt, "workdir": str(workdir), "model": endpoint.model,
+        "base_url": endpoint.url, "openai_base_url": endpoint.openai_base_url, "api_key": endpoint.api_key,
+    }  # fmt: skip
+
+
+def _artifacts(workdir: Path, skip: set[str]) -> list[str]:
+    return sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*") if p.is_file() and p.name not in skip)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+@dataclass
+class CommandAdapter:
+    """Any CLI harness: `argv`, `env` and `files` (path -> content, in the workdir) are templates
+    (`{prompt}`, `{task_id}`, `{openai_base_url}`, `{api_key}`, `{model}`, `{workdir}`, task
+    fields; write `{{`/`}}` for a literal brace). The proxy's address and the session key are also
+    in every variable of `Endpoint.env`. The process gets its own process group: at the timeout
+    the group gets SIGTERM, then SIGKILL after `grace` seconds, and whatever the harness left
+    running is killed when it exits."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    grace: float = 5.0
+
+    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
+        values = template_values(task, endpoint, workdir)
+        try:
+            argv = [arg.format_map(values) for arg in self.argv]
+            env = {**os.environ, **endpoint.env(), **{k: v.format_map(values) for k, v in self.env.items()}}
+            for relative, content in self.files.items():
+                target = workdir / relative.format_map(values)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(content.format_map(values))
+        except (KeyError, ValueError, IndexError) as exc:
+            return Outcome("failed", error=f"bad template in the command adapter: {exc!r}")
+        log, out = workdir / "harness.log", workdir / "harness.stdout"
+        start = time.monotonic()
+        with open(log, "wb") as err_file, open(out, "wb") as out_file:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out_file, stderr=err_file,
+                    start_new_session=True,
+                )  # fmt: skip
+            except OSError as exc:
+                return Outcome("failed", error=f"cannot start {argv[0]!r}: {exc}", log=str(log))
+            try:
+                code = await asyncio.wait_for(proc.wait(), timeout)
+                status, error = ("ok", None) if code == 0 else ("failed", f"exited with code {code}")
+            except asyncio.TimeoutError:
+                status, error, code = "timeout", f"killed after {timeout:g} s", None
+                with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    await asyncio.wait_for(proc.wait(), self.grace)
+            finally:
+                _kill_group(proc.pid)  # children it left behind, or all of it after a timeout
+                await proc.wait()
+        output = out.read_bytes()[-OUTPUT_CHARS:].decode(errors="replace").strip()
+        if error and status == "failed":
+            error += f"; end of log: {log.read_bytes()[-500:].decode(errors='replace').strip()}"
+        return Outcome(status, output, error, code, str(log), time.monotonic() - start,
+                       _artifacts(workdir, {log.name, out.name}))  # fmt: skip
+
+
+async def _guarded(work: Callable[[], Awaitable[Any]], timeout: float, workdir: Path) -> Outcome:
+    """Run an in-process agent with a timeout; an exception (also in building it) becomes a
+    failed outcome whose log holds the traceback."""
+    start = time.monotonic()
+    try:
+        result = await asyncio.wait_for(work(), timeout)
+    except asyncio.TimeoutError:
+        return Outcome("timeout", error=f"cancelled after {timeout:g} s", seconds=time.monotonic() - start)
+    except Exception as exc:
+        log = workdir / "agent.log"
+        log.write_text(traceback.format_exc())
+        return Outcome("failed", error=f"{type(exc).__name__}: {exc}", log=str(log), seconds=time.monotonic() - start)
+    return Outcome("ok", output=_answer_text(result), seconds=time.monotonic() - start,
+                   artifacts=_artifacts(workdir, set()))  # fmt: skip
+
+
+def _answer_text(result: Any) -> str:
+    if isinstance(result, dict) and result.get("messages"):  # a LangGraph state
+        result = result["messages"][-1]
+    content = getattr(result, "final_output", getattr(result, "content", result))
+    return content if isinstance(content, str) else str(content)
+
+
+def _client(endpoint: Endpoint) -> Any:
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=endpoint.openai_base_url, api_key=endpoint.api_key)
+
+
+@dataclass
+class PythonAdapter:
+    """`async def agent(client, task)`: `client` is an `AsyncOpenAI` on the proxy under the
+    episode's session; it returns the final answer. An agent with a `model` parameter also gets
+    the served model's name (any name works: the proxy maps it to the policy)."""
+
+    agent: Callable[..., Awaitable[Any]]
+
+    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
+        client = _client(endpoint)
+        extra = {"model": endpoint.model} if "model" in inspect.signature(self.agent).parameters else {}
+        try:
+            return await _guarded(lambda: self.agent(client, task, **extra), timeout, workdir)
+        finally:
+            await client.close()
+
+
+@dataclass
+class AgentsSdkAdapter:
+    """An OpenAI Agents SDK agent: `make_agent(task) -> Agent`, run on `task.prompt` with its
+    model replaced by one on the proxy (Responses, or Chat Completions with api="chat")."""
+
+    make_agent: Callable[[Task], Any]
+    api: str = "responses"
+    max_turns: int = 10
+
+    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
+        from agents import Runner, set_tracing_disabled
+        from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
+        from agents.models.openai_responses import OpenAIResponsesModel
+
+        set_tracing_disabled(True)
+        kind = OpenAIChatCompletionsModel if self.api == "chat" else OpenAIResponsesModel
+        client = _client(endpoint)
+        try:
+            model = kind(model=endpoint.model, openai_client=client)
+
+            def start() -> Awaitable[Any]:
+                agent = self.make_agent(task).clone(model=model)
+                return Runner.run(agent, task.prompt, max_turns=self.max_turns)
+
+            return await _guarded(start, timeout, workdir)
+        finally:
+            await client.close()
+
+
+@dataclass
+class LangChainAdapter:
+    """A LangChain or LangGraph agent: `make_agent(llm, task)` returns a runnable given a
+    `ChatOpenAI` on the proxy; it is invoked with the task's prompt as a user message."""
+
+    make_agent: Callable[[Any, Task], Any]
+    use_responses_api: bool = False
+
+    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
+        from langchain_openai import ChatOpenAI
+        from pydantic import SecretStr
+
+        llm = ChatOpenAI(base_url=endpoint.openai_base_url, api_key=SecretStr(endpoint.api_key), model=endpoint.model,
+                         use_responses_api=self.use_responses_api)  # fmt: skip
+        message = {"messages": [("user", task.prompt)]}
+        return await _guarded(lambda: self.make_agent(llm, task).ainvoke(message), timeout, workdir)
