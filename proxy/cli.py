@@ -292,11 +292,11 @@ def collect(
     table = Table("task", "episodes", "success", "mean reward", "failed", "timeout", "no calls",
                   title=f"run {loaded.run}: success = reward >= {loaded.success_at:g}")  # fmt: skip
     rows = summary(results, loaded.success_at)
-    for r in rows:
-        mean = "-" if r["mean_reward"] is None else f"{r['mean_reward']:.2f}"
-        table.add_row(r["task"], str(r["episodes"]), str(r["success"]), mean, str(r["failed"]), str(r["timeout"]),
-                      str(r["no_calls"]))  # fmt: skip
-    wins = sum(r["success"] for r in rows)
+    for row in rows:
+        mean = "-" if row["mean_reward"] is None else f"{row['mean_reward']:.2f}"
+        table.add_row(row["task"], str(row["episodes"]), str(row["success"]), mean, str(row["failed"]),
+                      str(row["timeout"]), str(row["no_calls"]))  # fmt: skip
+    wins = sum(row["success"] for row in rows)
     table.add_row("all", str(len(results)), f"{wins} ({wins / max(len(results), 1):.0%})", "", "", "", "")
     console.print(table)
     for r in results:

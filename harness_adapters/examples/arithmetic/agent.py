@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from collections.abc import Callable
 from typing import Any
 
 SYSTEM = (
@@ -30,8 +31,9 @@ DEMO = [
 MAX_TURNS = 3
 CALC = re.compile(r"CALC:\s*([-+*/() 0-9.]+)")
 ANSWER = re.compile(r"ANSWER:\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-             ast.USub: operator.neg}  # fmt: skip
+BINARY: dict[type, Callable[[float, float], float]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+}  # fmt: skip
 
 
 def calculate(expression: str) -> str:
@@ -40,10 +42,10 @@ def calculate(expression: str) -> str:
     def value(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](value(node.left), value(node.right))  # type: ignore[no-any-return]
-        if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](value(node.operand))  # type: ignore[no-any-return]
+        if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
+            return BINARY[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
         raise ValueError("unsupported")
 
     try:
