@@ -37,3 +37,4 @@ fmt:
 bench: install
 	$(PY) -m tests.bench_proxy
 	$(PY) -m tests.bench_trajectories
+	$(PY) -m tests.bench_episodes

@@ -40,6 +40,7 @@ class Endpoint:
     url: str
     api_key: str
     model: str
+    session_id: str = ""
 
     @property
     def openai_base_url(self) -> str:
@@ -52,6 +53,7 @@ class Endpoint:
             "OPENAI_BASE_URL": v1, "OPENAI_API_BASE": v1, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model,
             "ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": self.api_key, "ANTHROPIC_MODEL": self.model,
             "RLP_BASE_URL": root, "RLP_SESSION_KEY": self.api_key, "RLP_MODEL": self.model,
+            "RLP_SESSION_ID": self.session_id,  # for POST /admin/sessions/{id}/reward
         }  # fmt: skip
 
 
@@ -241,7 +243,8 @@ class AgentsSdkAdapter:
 @dataclass
 class LangChainAdapter:
     """A LangChain or LangGraph agent: `make_agent(llm, task)` returns a runnable given a
-    `ChatOpenAI` on the proxy; it is invoked with the task's prompt as a user message."""
+    `ChatOpenAI` on the proxy; it is invoked with the task's prompt as a user message (in a
+    `{"messages": [...]}` state for a graph)."""
 
     make_agent: Callable[[Any, Task], Any]
     use_responses_api: bool = False
@@ -252,5 +255,12 @@ class LangChainAdapter:
 
         llm = ChatOpenAI(base_url=endpoint.openai_base_url, api_key=SecretStr(endpoint.api_key), model=endpoint.model,
                          use_responses_api=self.use_responses_api)  # fmt: skip
-        message = {"messages": [("user", task.prompt)]}
-        return await _guarded(lambda: self.make_agent(llm, task).ainvoke(message), timeout, workdir)
+
+        def start() -> Awaitable[Any]:
+            runnable = self.make_agent(llm, task)
+            messages = [("user", task.prompt)]
+            # A LangGraph agent takes its state ({"messages": [...]}), a model or chain the messages.
+            graph = "messages" in runnable.get_input_jsonschema().get("properties", {})
+            return runnable.ainvoke({"messages": messages} if graph else messages)  # type: ignore[no-any-return]
+
+        return await _guarded(start, timeout, workdir)

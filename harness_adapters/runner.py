@@ -64,7 +64,9 @@ class EpisodeRunner:
         """Every task `episodes_per_task` times; `done` is called as each episode finishes."""
         headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
         limit = asyncio.Semaphore(self.concurrency)
-        async with httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=60) as admin:
+        # Connections idle for less than any server keeps them (uvicorn's default: 5 s).
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        async with httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=60, limits=limits) as admin:
 
             async def one(task: Task, n: int) -> EpisodeResult:
                 async with limit:
@@ -84,13 +86,14 @@ class EpisodeRunner:
         session = created.json()
         workdir = self.workdir / session["id"]
         workdir.mkdir(parents=True, exist_ok=True)
-        endpoint = Endpoint(self.proxy_url, session["key"], self.model)
+        endpoint = Endpoint(self.proxy_url, session["key"], self.model, session["id"])
         outcome = await self.adapter.run(task, endpoint, workdir, self.timeout)
         info = (await admin.get(f"/admin/sessions/{session['id']}")).json()
         status, error, reward = outcome.status, outcome.error, None
         if info["calls"] == 0:
             status = "no_calls"
-            error = "the harness made no call through the proxy (a wrong base URL, or a variable it ignores?)"
+            error = "the harness made no call through the proxy (a wrong base URL, or a variable it ignores?)" + (
+                f"; it {outcome.status}: {outcome.error}" if outcome.error else "")  # fmt: skip
         elif status == "ok":
             try:
                 reward = await self.score(admin, session["id"], task, outcome, endpoint, workdir, info["reward"])

@@ -19,6 +19,11 @@ from proxy.settings import Settings
 
 log = logging.getLogger("rl_proxy.server")
 
+# Idle client connections are kept this long (uvicorn's default is 5 s). Agents pause between
+# calls (tools, their own work) and clients that keep connections 5 s themselves (httpx) would
+# race the server's close and fail a request now and then.
+KEEP_ALIVE = 75
+
 
 @contextmanager
 def backend_for(settings: Settings, progress: bool = True) -> Iterator[tuple[Settings, VllmServer | None]]:
@@ -53,7 +58,9 @@ def run(settings: Settings) -> int:
     """Serve in the foreground until Ctrl-C; exit code 1 if a launched vLLM dies."""
     with backend_for(settings) as (settings, vllm):
         server = uvicorn.Server(
-            uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, access_log=False)
+            uvicorn.Config(
+                create_app(settings), settings.host, settings.port, access_log=False, timeout_keep_alive=KEEP_ALIVE
+            )
         )
         died: list[BackendError] = []
 
@@ -83,7 +90,9 @@ class AppThread:
     def __init__(self, app: FastAPI, port: int = 0) -> None:
         self.port = port or free_port()
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
+            uvicorn.Config(
+                app, "127.0.0.1", self.port, log_level="warning", access_log=False, timeout_keep_alive=KEEP_ALIVE
+            )
         )
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-thread", daemon=True)
 

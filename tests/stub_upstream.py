@@ -35,7 +35,11 @@ def _choice(stream: bool, index: int, text: str, token_ids: list[int], finish: s
 
 
 def stub_app(
-    latency: float = 0.0, token_delay: float = 0.0, drop_token_ids_at: int | None = None, break_at: int | None = None
+    latency: float = 0.0,
+    token_delay: float = 0.0,
+    drop_token_ids_at: int | None = None,
+    break_at: int | None = None,
+    answer: str = "stub answer",
 ) -> FastAPI:
     """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
     the stream sends a malformed event and ends, without `[DONE]`."""
@@ -53,7 +57,7 @@ def stub_app(
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
         if not body.get("stream"):
             out = {**head, "object": "chat.completion", "prompt_token_ids": prompt,
-                   "choices": [_choice(False, 0, "stub answer", COMPLETION, "stop")],
+                   "choices": [_choice(False, 0, answer, COMPLETION, "stop")],
                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)}}  # fmt: skip
             return Response(orjson.dumps(out), media_type="application/json")
 

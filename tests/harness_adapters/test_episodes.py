@@ -1,0 +1,221 @@
+"""Episodes through the proxy: every adapter on the real vLLM CPU server, each episode a
+recorded session with its rewards; failures (a harness that ignores the proxy, a hung harness,
+a verifier that raises) reported and contained; `rl-proxy collect` on the shipped example."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from harness_adapters.episode import (
+    AgentsSdkAdapter,
+    CommandAdapter,
+    Endpoint,
+    LangChainAdapter,
+    PythonAdapter,
+    load_callable,
+)
+from harness_adapters.rewards import Reward
+from harness_adapters.runner import EpisodeResult, EpisodeRunner
+from harness_adapters.tasks import Task, load_tasks
+from proxy.cli import app
+from proxy.server import AppThread
+from recorder.trajectories import build_sequences
+from tests.conftest import RunningProxy, Upstream
+from tests.stub_upstream import MODEL, stub_app
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parents[1] / "harness_adapters" / "examples" / "arithmetic"
+TASKS = [Task("hello", "Say hello."), Task("colours", "Name a colour.")]
+
+
+def run(proxy: RunningProxy, model: str, adapter: Any, rewards: list[Reward], tasks: list[Task], tmp_path: Path,
+        episodes: int = 1, timeout: float = 120) -> list[EpisodeResult]:  # fmt: skip
+    runner = EpisodeRunner(proxy.url, adapter, rewards, model, tmp_path / "work", "test", timeout, concurrency=4)
+    return asyncio.run(runner.run_all(tasks, episodes))
+
+
+def rewards_in(db: str, session_id: str) -> list[tuple[str, float]]:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("select source, value from rewards where session_id = ? order by id", (session_id,))
+        return [(source, value) for source, value in rows]
+
+
+def session_row(db: str, session_id: str) -> tuple[str, dict[str, Any], str | None]:
+    with sqlite3.connect(db) as conn:
+        status, meta, group = conn.execute(
+            "select status, metadata, group_id from sessions where id = ?", (session_id,)
+        ).fetchone()
+    return status, json.loads(meta), group
+
+
+def nonempty(task: Task, outcome: Any) -> float:
+    return float(bool(outcome.output.strip()))
+
+
+def strict(task: Task, outcome: Any) -> Any:
+    if task.id == "raises":
+        raise ValueError("cannot score this")
+    return "not a number" if task.id == "word" else 1.0
+
+
+async def one_call(client: Any, task: Task, model: str) -> str:
+    reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": task.prompt}],
+                                                 max_tokens=8, temperature=0)  # fmt: skip
+    return reply.choices[0].message.content or ""
+
+
+@pytest.mark.vllm
+def test_command_adapter_runs_a_cli_agent_scored_by_itself_and_a_command(
+    proxy: RunningProxy, vllm: Upstream, tmp_path: Path
+) -> None:
+    adapter = CommandAdapter([sys.executable, str(HERE / "cli_agent.py"), "{prompt}", "--post-reward", "0.25"])
+    check = ["sh", "-c", "echo checking {task_id}; echo 1"]  # its last line is the reward
+    rewards = [Reward("harness"), Reward("command", weight=0.5, command=check)]
+    results = run(proxy, vllm.model, adapter, rewards, TASKS, tmp_path, episodes=2)
+    assert [(r.task.id, r.status) for r in results] == [("hello", "ok")] * 2 + [("colours", "ok")] * 2
+    for result in results:
+        assert result.calls == 2 and result.reward == pytest.approx(0.75) and result.outcome.output
+        assert rewards_in(proxy.db, result.session_id) == [("harness", 0.25), ("command", 0.5)]
+        status, meta, group = session_row(proxy.db, result.session_id)
+        assert status == "ok" and group == f"test/{result.task.id}" and meta["outcome"]["reward"] == 0.75
+        calls = proxy.calls(result.session_id)
+        assert [c.seq for c in calls] == [1, 2] and all(c.ok and c.completions[0].token_ids for c in calls)
+    [session] = [s for s in proxy.sessions() if s.id == results[0].session_id]
+    assert session.reward == pytest.approx(0.75) and session.task_id == "hello" and session.run == "test"
+
+
+@pytest.mark.vllm
+def test_python_adapter_with_the_shipped_example_merges_each_episode(
+    proxy: RunningProxy, vllm: Upstream, tmp_path: Path
+) -> None:
+    adapter = PythonAdapter(load_callable(f"{EXAMPLE / 'agent.py'}:agent"))
+    rewards = [Reward("python", function=f"{EXAMPLE / 'agent.py'}:score")]
+    tasks = load_tasks(EXAMPLE / "tasks.jsonl", "heldout")[:4]
+    results = run(proxy, vllm.model, adapter, rewards, tasks, tmp_path)
+    score = load_callable(f"{EXAMPLE / 'agent.py'}:score")
+    for result in results:
+        assert result.status == "ok" and result.reward == score(result.task, result.outcome)
+        assert rewards_in(proxy.db, result.session_id) == [("python", result.reward)]
+        report = build_sequences(proxy.calls(result.session_id))
+        # The calculator is written as text: every turn of an episode is one training sequence.
+        assert len(report.sequences) == 1 and len(report.sequences[0].calls) == result.calls >= 1
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("library", ["agents_sdk", "langchain"])
+def test_agent_library_adapters(proxy: RunningProxy, vllm: Upstream, tmp_path: Path, library: str) -> None:
+    if library == "agents_sdk":
+        from agents import Agent, ModelSettings
+
+        adapter: Any = AgentsSdkAdapter(lambda task: Agent(name="a", instructions="Be brief.",
+                                                           model_settings=ModelSettings(max_tokens=16)))  # fmt: skip
+    else:
+        adapter = LangChainAdapter(lambda llm, task: llm.bind(max_tokens=16))
+    rewards = [Reward("python", function="tests.harness_adapters.test_episodes:nonempty")]
+    results = run(proxy, vllm.model, adapter, rewards, TASKS, tmp_path)
+    for result in results:
+        assert result.status == "ok" and result.calls == 1 and result.reward == 1.0, result.error
+        [call] = proxy.calls(result.session_id)
+        assert call.ok and call.api == ("openai.responses" if library == "agents_sdk" else "chat.completions")
+
+
+@pytest.mark.vllm
+def test_a_harness_that_ignores_the_proxy_is_reported_by_name(
+    proxy: RunningProxy, vllm: Upstream, tmp_path: Path
+) -> None:
+    lost = CommandAdapter([sys.executable, str(HERE / "cli_agent.py"), "{prompt}", "--ignore-base-url"])
+    rewards = [Reward("python", function="tests.harness_adapters.test_episodes:nonempty")]
+    [result] = run(proxy, vllm.model, lost, rewards, TASKS[:1], tmp_path)
+    assert result.status == "no_calls" and result.reward is None and "no call through the proxy" in str(result.error)
+    assert rewards_in(proxy.db, result.session_id) == []
+    assert session_row(proxy.db, result.session_id)[0] == "no_calls"
+
+
+@pytest.mark.vllm
+def test_a_verifier_that_raises_or_gives_no_number_fails_only_its_episode(
+    proxy: RunningProxy, vllm: Upstream, tmp_path: Path
+) -> None:
+    tasks = [Task("raises", "Say hi."), Task("word", "Say hi."), Task("fine", "Say hi.")]
+    rewards = [Reward("python", function="tests.harness_adapters.test_episodes:strict")]
+    by_task = {r.task.id: r for r in run(proxy, vllm.model, PythonAdapter(one_call), rewards, tasks, tmp_path)}
+    assert by_task["raises"].status == "failed" and "ValueError: cannot score this" in str(by_task["raises"].error)
+    assert by_task["word"].status == "failed" and "not a finite number: 'not a number'" in str(by_task["word"].error)
+    assert by_task["fine"].status == "ok" and by_task["fine"].reward == 1.0
+    assert all(r.calls == 1 for r in by_task.values())
+
+
+def test_a_hung_harness_is_killed_with_its_whole_process_group(tmp_path: Path) -> None:
+    script = "sleep 300 & echo $! > child.pid; sleep 300"
+    adapter = CommandAdapter(["sh", "-c", script], grace=1.0)
+    outcome = asyncio.run(adapter.run(Task("hang", "wait"), Endpoint("http://127.0.0.1:9", "k", "m"), tmp_path, 1.5))
+    assert outcome.status == "timeout" and "killed after 1.5 s" in str(outcome.error)
+    assert outcome.seconds < 10
+    child = int((tmp_path / "child.pid").read_text())
+    status = Path(f"/proc/{child}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or a zombie not yet reaped
+
+
+def test_crashes_and_bad_templates_become_failed_outcomes(tmp_path: Path) -> None:
+    endpoint, task = Endpoint("http://127.0.0.1:9", "k", "m"), Task("t", "p")
+    crashed = asyncio.run(CommandAdapter(["sh", "-c", "echo boom >&2; exit 3"]).run(task, endpoint, tmp_path, 10))
+    assert crashed.status == "failed" and crashed.exit_code == 3 and "boom" in str(crashed.error)
+    missing = asyncio.run(CommandAdapter(["{nothing}"]).run(task, endpoint, tmp_path, 10))
+    assert missing.status == "failed" and "bad template" in str(missing.error)
+
+    async def broken(client: Any, task: Task) -> str:
+        raise RuntimeError("agent bug")
+
+    failed = asyncio.run(PythonAdapter(broken).run(task, endpoint, tmp_path, 10))
+    assert failed.status == "failed" and "RuntimeError: agent bug" in str(failed.error)
+    assert "Traceback" in Path(str(failed.log)).read_text()
+
+
+def test_a_judge_reward_through_litellm(make_proxy: Any, tmp_path: Path) -> None:
+    """The judge is a STUB upstream answering "0.75" (any model litellm reaches would do)."""
+    with AppThread(stub_app()) as policy, AppThread(stub_app(answer="0.75")) as judge:
+        proxy = make_proxy(f"{policy.url}/v1")
+        rubric = Reward("judge", weight=2.0, rubric="Greets.", judge_model=f"openai/{MODEL}",
+                        judge_base_url=f"{judge.url}/v1", judge_api_key="none")  # fmt: skip
+        [scored] = run(proxy, MODEL, PythonAdapter(one_call), [rubric], TASKS[:1], tmp_path)
+        silent = Reward("judge", rubric="Greets.", judge_model=f"openai/{MODEL}", judge_base_url=f"{policy.url}/v1",
+                        judge_api_key="none")  # fmt: skip
+        [unscored] = run(proxy, MODEL, PythonAdapter(one_call), [silent], TASKS[:1], tmp_path)
+    assert scored.status == "ok" and scored.reward == 1.5
+    assert rewards_in(proxy.db, scored.session_id) == [("judge", 1.5)]
+    assert unscored.status == "failed" and "the judge answered no number: 'stub answer'" in str(unscored.error)
+
+
+@pytest.mark.vllm
+def test_collect_runs_the_shipped_example_and_prints_a_success_table(vllm: Upstream, tmp_path: Path) -> None:
+    config = (EXAMPLE / "collect.yaml").read_text()
+    config = config.replace("tasks: tasks.jsonl", f"tasks: {EXAMPLE / 'tasks.jsonl'}")
+    config = config.replace("agent.py:", f"{EXAMPLE / 'agent.py'}:").replace("split: train", "split: heldout")
+    config = config.replace("episodes_per_task: 4", "episodes_per_task: 1") + f"out: {tmp_path / 'out'}\n"
+    (tmp_path / "collect.yaml").write_text(config)
+    done = CliRunner().invoke(app, ["collect", str(tmp_path / "collect.yaml"), "--upstream", vllm.url],
+                              env={"COLUMNS": "200"})  # fmt: skip
+    assert done.exit_code == 0, done.output
+    for task in load_tasks(EXAMPLE / "tasks.jsonl", "heldout"):
+        assert f"│ {task.id} " in done.output
+    assert "│ all " in done.output and "success = reward >= 1" in done.output
+    lines = (tmp_path / "out" / "episodes.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and all(json.loads(line)["status"] == "ok" for line in lines)
+    assert (tmp_path / "out" / "rl-proxy.db").exists()
+
+
+def test_collect_refuses_a_bad_config_naming_the_key(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("run: x\ntasks: t.jsonl\nharness: {type: python, agent: a.py:f}\nepisodes: 3\n")
+    done = CliRunner().invoke(app, ["collect", str(tmp_path / "c.yaml")], env={"COLUMNS": "200"})
+    assert done.exit_code == 2 and "episodes: Extra inputs are not permitted" in done.output
+    (tmp_path / "t.jsonl").write_text('{"id": "a"}\n')
+    (tmp_path / "c.yaml").write_text('run: x\ntasks: t.jsonl\nharness: {type: command, argv: ["true"]}\n')
+    done = CliRunner().invoke(app, ["collect", str(tmp_path / "c.yaml")], env={"COLUMNS": "200"})
+    assert done.exit_code == 2 and "line 1: missing 'prompt'" in done.output
