@@ -4,6 +4,7 @@ vLLM launched here or of any upstream, or one already running) without training.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,8 @@ def proxy_for(config: CollectConfig) -> Iterator[tuple[str, str, str | None]]:
     fields: dict[str, Any] = {
         "upstream": given.upstream, "model": given.model, "db": given.db or str(config.out_dir / "rl-proxy.db"),
         "max_model_len": given.max_model_len, "max_completion_tokens": given.max_completion_tokens,
+        "upstream_token_ids": given.token_ids,
+        "upstream_api_key": os.environ.get(given.upstream_api_key_env) if given.upstream_api_key_env else None,
     }  # fmt: skip
     settings = Settings(**{k: v for k, v in fields.items() if v is not None})
     with backend_for(settings) as (settings, _), AppThread(create_app(settings)) as proxy:

@@ -86,6 +86,8 @@ class ProxyConfig(_Strict):
     db: str | None = Field(None, description="the store [default: <out>/rl-proxy.db]")
     max_model_len: int | None = None
     max_completion_tokens: int | None = None
+    token_ids: bool = Field(True, description="false for an upstream other than vLLM: calls recorded as text")
+    upstream_api_key_env: str | None = Field(None, description="the variable holding the upstream's API key")
 
 
 class CollectConfig(_Strict):

@@ -28,6 +28,7 @@ from proxy.forwarding import (
     Call,
     StreamBroken,
     UpstreamError,
+    ask_for_tokens,
     fit_to_backend,
     open_upstream,
     read_json,
@@ -108,7 +109,8 @@ async def messages(request: Request) -> Response:
     chat, tool_map = to_chat(body)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
-    chat.update(return_token_ids=True, logprobs=True, stream=stream)
+    chat["stream"] = stream
+    ask_for_tokens(state, chat)
     if stream:
         chat["stream_options"] = {"include_usage": True}
     call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)

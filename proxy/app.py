@@ -27,6 +27,7 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
         settings.upstream or "",
         timeout=settings.upstream_timeout,
         connect_timeout=settings.upstream_connect_timeout,
+        api_key=settings.upstream_api_key,
     )
 
     @asynccontextmanager

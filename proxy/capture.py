@@ -96,9 +96,9 @@ class Capture:
         """Why the captured tokens cannot be trusted, if they cannot: the upstream's own count of
         prompt and completion tokens disagrees with the ids it sent (a stream chunk without
         ids, as vLLM's tool-call parsing has been known to send)."""
-        if not self.usage:
-            return None
         sampled = sum(len(c.token_ids) for c in self.choices.values())
+        if not self.usage or (sampled == 0 and not self.prompt_token_ids):
+            return None  # no count to check, or an upstream that returns no ids (recorded as text)
         expected = self.usage.get("completion_tokens")
         if isinstance(expected, int) and sampled != expected:
             return f"token capture incomplete: {sampled} token ids for {expected} completion tokens"

@@ -123,6 +123,18 @@ class Call:
             raise ProxyError(f"the call could not be recorded, so it is not answered: {exc}") from exc
 
 
+def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -> None:
+    """Ask a vLLM upstream, in the upstream body, for what the record needs: token ids and one
+    logprob per sampled token. Nothing for an upstream that has neither."""
+    if not state.settings.upstream_token_ids:
+        return
+    body["return_token_ids"] = True
+    if chat:
+        body["logprobs"] = True
+    elif body.get("logprobs") is None:
+        body["logprobs"] = 0
+
+
 async def fit_to_backend(state: ProxyState, body: dict[str, Any]) -> dict[str, Any]:
     """Map the requested model to a served one and cap the completion length, in the upstream
     body (the recorded request stays as the client sent it); return the changes made."""

@@ -1,6 +1,6 @@
 """OpenAI Chat Completions and (text) Completions, recorded at token level; GET /models.
 
-Every upstream call asks for `return_token_ids` and logprobs; the client gets back only what it
+Every upstream call asks vLLM for `return_token_ids` and logprobs; the client gets back only what it
 asked for. A call is committed to the store before its answer (or a stream's final `[DONE]`) is
 released. Anthropic Messages live in anthropic.py, the Responses API in responses.py.
 """
@@ -23,6 +23,7 @@ from proxy.forwarding import (
     Call,
     StreamBroken,
     UpstreamError,
+    ask_for_tokens,
     fit_to_backend,
     open_upstream,
     read_json,
@@ -84,16 +85,13 @@ async def forward(request: Request, api: Api) -> Response:
     call = Call(state, api.name, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
     keep_tokens = bool(body.get("return_token_ids"))
     keep_logprobs = bool(body.get("logprobs")) if api.chat else body.get("logprobs") is not None
-    upstream_body = {**body, "return_token_ids": True}
+    upstream_body = dict(body)
+    ask_for_tokens(state, upstream_body, api.chat)
     given = body.get("stream_options")
     options: dict[str, Any] = given if isinstance(given, dict) else {}
     keep_usage = bool(options.get("include_usage"))
     if stream:  # the usage chunk lets the capture check its own count
         upstream_body["stream_options"] = {**options, "include_usage": True}
-    if api.chat:
-        upstream_body["logprobs"] = True
-    elif body.get("logprobs") is None:
-        upstream_body["logprobs"] = 0
     call.rewrites = await fit_to_backend(state, upstream_body)
     try:
         resp, data = await open_upstream(call, api.path, upstream_body)

@@ -32,6 +32,7 @@ from proxy.forwarding import (
     Call,
     StreamBroken,
     UpstreamError,
+    ask_for_tokens,
     fit_to_backend,
     open_upstream,
     read_json,
@@ -137,21 +138,24 @@ async def conversation(state: ProxyState, session: SessionInfo, body: dict[str, 
     return [item for part in reversed(parts) for item in part]
 
 
+def _params(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's options, as litellm's translators take them (apart from model and input)."""
+    return {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+
+
 def to_chat(body: dict[str, Any], items: list[Any], stream: bool) -> dict[str, Any]:
-    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    params = _params(body)
     try:
         chat = _config().transform_responses_api_request_to_chat_completion_request(
             model=body["model"], input=items, responses_api_request=params, stream=stream
         )
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise BadRequest(f"cannot translate this Responses request: {exc}") from exc
-    chat = jsonable(chat)
-    chat.update(return_token_ids=True, logprobs=True)
-    return dict(chat)
+    return dict(jsonable(chat))
 
 
 def to_response(chat_response: dict[str, Any], body: dict[str, Any], response_id: str) -> dict[str, Any]:
-    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    params = _params(body)
     fields = {k: v for k, v in chat_response.items() if k != "assembled_from_stream"}
     response = _config().transform_chat_completion_response_to_responses_api_response(
         request_input=body.get("input"), responses_api_request=params, chat_completion_response=fields
@@ -176,6 +180,7 @@ async def responses(request: Request) -> Response:
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
     chat = to_chat(body, await conversation(state, session, body), stream)
+    ask_for_tokens(state, chat)
     call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
     call.response_id = f"resp_{uuid.uuid4().hex}"
     call.rewrites = await fit_to_backend(state, chat)
@@ -211,12 +216,11 @@ async def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIt
                 continue  # tokens the tool parser held back: recorded, but no item to open
             yield ModelResponseStream(**{**chunk, "id": response_id})
 
-    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
     events = _event_stream()(
         model=body["model"],
         litellm_custom_stream_wrapper=_Chunks(chunks()),
         request_input=body.get("input"),
-        responses_api_request=params,
+        responses_api_request=_params(body),
     )
     status: int = 499  # what stands if the client goes away mid-stream
     error: str | None = "client disconnected"
@@ -224,12 +228,12 @@ async def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIt
     sequence = 0
     try:
         async for event in events:
-            data = {**jsonable(event), "sequence_number": sequence}
+            shown = {**jsonable(event), "sequence_number": sequence}
             sequence += 1
-            if data["type"] in ("response.completed", "response.incomplete"):
-                final = data  # held back: the client sees the end only once the call is recorded
+            if shown["type"] in ("response.completed", "response.incomplete"):
+                final = shown  # held back: the client sees the end only once the call is recorded
             else:
-                yield _event(data)
+                yield _event(shown)
         status, error = (200, None) if final is not None else (502, "the upstream stream ended without a response")
     except StreamBroken as exc:
         status, error = 502, str(exc)

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     max_completion_tokens: int | None = Field(
         2048, description="cap on a completion's length (harnesses often ask for none, or 32000)"
     )
+    # Any other OpenAI-compatible upstream (a provider, a litellm proxy): calls are recorded as
+    # text, without token ids, for distillation or evaluation; trajectories skip them.
+    upstream_token_ids: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")
+    upstream_api_key: str | None = Field(None, description="sent upstream as a Bearer token")
     upstream_timeout: float = Field(600.0, description="seconds to wait for upstream data")
     upstream_connect_timeout: float = 10.0
     version_poll_interval: float = Field(1.0, description="seconds between GET /weight_info")

@@ -29,7 +29,7 @@ MODELS_RETRY = 10.0
 class Upstream:
     """An OpenAI-compatible base URL (`http://host:port/v1`) and what the proxy knows of it."""
 
-    def __init__(self, base_url: str, *, timeout: float, connect_timeout: float) -> None:
+    def __init__(self, base_url: str, *, timeout: float, connect_timeout: float, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.root = self.base_url.removesuffix("/v1")
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
@@ -40,6 +40,8 @@ class Upstream:
         self.stream_gap: str | None = None
         self._models_read_at = -MODELS_RETRY
         self._session: aiohttp.ClientSession | None = None
+        # The upstream's own key, if it needs one; a client's key names its session and stays here.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._poller: asyncio.Task[None] | None = None
 
     @property
@@ -47,6 +49,7 @@ class Upstream:
         if self._session is None:  # created inside the running loop, as aiohttp requires
             self._session = aiohttp.ClientSession(
                 timeout=self.timeout,
+                headers=self._headers,
                 # Below uvicorn's 5 s (vLLM's server): an idle connection is dropped here before
                 # the server closes it under a request being sent.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),

@@ -40,9 +40,12 @@ def stub_app(
     drop_token_ids_at: int | None = None,
     break_at: int | None = None,
     answer: str = "stub answer",
+    provider_key: str | None = None,
 ) -> FastAPI:
     """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
-    the stream sends a malformed event and ends, without `[DONE]`."""
+    the stream sends a malformed event and ends, without `[DONE]`. With `provider_key` it acts as
+    a provider other than vLLM: it wants that key, refuses vLLM's `return_token_ids` (400, as
+    OpenAI does) and answers without token ids or logprobs."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -52,6 +55,12 @@ def stub_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = orjson.loads(await request.body())
+        if provider_key is not None:
+            if request.headers.get("authorization") != f"Bearer {provider_key}":
+                return Response(orjson.dumps({"error": {"message": "Incorrect API key provided"}}), 401)
+            if "return_token_ids" in body:
+                unknown = {"error": {"message": "Unrecognized request argument supplied: return_token_ids"}}
+                return Response(orjson.dumps(unknown), 400)
         await asyncio.sleep(latency)
         prompt = list(range(1, 1 + len(orjson.dumps(body.get("messages"))) // 4))
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
@@ -59,6 +68,8 @@ def stub_app(
             out = {**head, "object": "chat.completion", "prompt_token_ids": prompt,
                    "choices": [_choice(False, 0, answer, COMPLETION, "stop")],
                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)}}  # fmt: skip
+            if provider_key is not None:
+                del out["prompt_token_ids"], out["choices"][0]["token_ids"], out["choices"][0]["logprobs"]
             return Response(orjson.dumps(out), media_type="application/json")
 
         async def events():  # type: ignore[no-untyped-def]
@@ -69,7 +80,8 @@ def stub_app(
                     return
                 finish = "stop" if i == len(COMPLETION) - 1 else None
                 chunk["choices"] = [_choice(True, 0, f"t{token} ", [token], finish)]
-                if i == drop_token_ids_at:
+                if i == drop_token_ids_at or provider_key is not None:
+                    chunk.pop("prompt_token_ids", None)
                     del chunk["choices"][0]["token_ids"]
                     chunk["choices"][0]["logprobs"] = None
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
