@@ -1,5 +1,6 @@
 """Harness adapters run agent harnesses as RL episodes against the proxy.
 
-The episode interface and the adapters (command, python, OpenAI Agents SDK, LangChain) come
-with issue 6; until then `proxy.demo` drives the example session with the openai SDK.
+tasks.py reads tasks; episode.py runs one episode with an adapter (command, python, OpenAI
+Agents SDK, LangChain); rewards.py scores it; runner.py runs many through the proxy's admin API;
+config.py and collect.py are `rl-proxy collect`. examples/arithmetic is the shipped task.
 """
