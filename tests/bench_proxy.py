@@ -188,6 +188,7 @@ def translation_cost(stub: str, rlp: str, args: argparse.Namespace) -> tuple[lis
         direct: list[float] = []
         for url, body in targets.values():  # litellm's translators are imported on first use
             asyncio.run(load(url, 4, 40, "warmup", {**body, "stream": stream}))
+        sent += 40 * len(API_BODIES)
         for round_ in range(args.rounds):
             key = f"bench-api-{mode}-{round_}"
             got = {name: asyncio.run(load(url, level, requests, key, {**body, "stream": stream}))
