@@ -8,6 +8,7 @@ from functools import cache
 from typing import Any
 
 import orjson
+from pydantic import BaseModel
 
 
 @cache
@@ -22,9 +23,10 @@ def litellm() -> Any:
 
 
 def _plain(obj: Any) -> Any:
-    # warnings=False: litellm's union-typed fields would otherwise have pydantic format a repr of
-    # the whole object for a warning nobody reads (half the cost of translating an answer).
-    return obj.model_dump(warnings=False) if hasattr(obj, "model_dump") else str(obj)
+    # A model's fields as they are (orjson comes back for the nested ones), not model_dump():
+    # litellm's response types have a serializer that makes pydantic format a repr of the whole
+    # object for every answer (more than half the cost of translating one).
+    return dict(obj) if isinstance(obj, BaseModel) else str(obj)
 
 
 def jsonable(obj: Any) -> Any:
