@@ -17,13 +17,12 @@ from functools import cache
 from typing import Any
 
 import aiohttp
-import anyio
 import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy.capture import Capture, carries_output
-from proxy.errors import BadRequest, ProxyError, anthropic_error_body, json_response
+from proxy.errors import BadRequest, anthropic_error_body, json_response
 from proxy.forwarding import (
     Call,
     StreamBroken,
@@ -161,7 +160,6 @@ async def _relay(
 
     status: int = 499  # what stands if the client goes away mid-stream
     error: str | None = "client disconnected"
-    unrecorded: ProxyError | None = None
     pending: list[bytes] = []
     try:
         events = _adapter().translate_completion_output_params_streaming(
@@ -177,16 +175,9 @@ async def _relay(
     except StreamBroken as exc:
         status, error = 502, str(exc)
     finally:
-        with anyio.CancelScope(shield=True):  # see openai_api._relay
-            resp.release()
-            try:
-                message: dict[str, Any] | None = to_message(capture.assembled(True), tool_map)
-            except Exception as exc:  # recorded all the same, with its tokens
-                message, error = None, error or f"the answer could not be translated: {exc!r}"
-            try:
-                await call.commit(call.record(capture, message, status, error))
-            except ProxyError as exc:
-                unrecorded = exc
+        _, error, unrecorded = await call.settle(
+            resp, capture, lambda: to_message(capture.assembled(True), tool_map), status, error
+        )
     if unrecorded is not None or error is not None:
         failure = unrecorded.message if unrecorded is not None else str(error)
         yield b"event: error\ndata: " + orjson.dumps(anthropic_error_body(502, failure)) + b"\n\n"

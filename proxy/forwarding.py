@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import anyio
 import orjson
 from fastapi import Request
 
@@ -115,6 +116,30 @@ class Call:
         )
         state.observe(call)
         return call
+
+    async def settle(
+        self,
+        resp: aiohttp.ClientResponse,
+        capture: Capture,
+        answer: Callable[[], dict[str, Any] | None],
+        status: int,
+        error: str | None,
+    ) -> tuple[dict[str, Any] | None, str | None, ProxyError | None]:
+        """Record a relayed stream however it ended: (its answer, its error, the failure to
+        record it, if any). Shielded: a client that goes away cancels the relay, and the call
+        must still be recorded with the tokens received so far. The answer is built here, so
+        that one that cannot be translated is recorded without it, its tokens kept."""
+        with anyio.CancelScope(shield=True):
+            resp.release()
+            try:
+                body = answer()
+            except Exception as exc:
+                body, error = None, error or f"the answer could not be translated: {exc!r}"
+            try:
+                await self.commit(self.record(capture, body, status, error))
+            except ProxyError as exc:
+                return body, error, exc
+        return body, error, None
 
     async def commit(self, call: CallRecord) -> None:
         try:

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import anyio
 import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy.capture import Capture, client_view
-from proxy.errors import BadRequest, ProxyError, error_body, json_response
+from proxy.errors import BadRequest, error_body, json_response
 from proxy.forwarding import (
     Call,
     StreamBroken,
@@ -120,7 +119,6 @@ async def _relay(
     capture = Capture()
     status: int = 499  # what stands if the client goes away mid-stream
     error: str | None = "client disconnected"
-    unrecorded: ProxyError | None = None
     try:
         async for chunk in upstream_chunks(resp, data):
             capture.add_chunk(chunk)
@@ -134,14 +132,7 @@ async def _relay(
         status, error = 502, str(exc)
         yield b"data: " + orjson.dumps(error_body(error, "upstream_error", 502)) + b"\n\n"
     finally:
-        # Shielded: a client that goes away cancels this generator, and the call must still be
-        # recorded with the tokens received so far.
-        with anyio.CancelScope(shield=True):
-            resp.release()
-            try:
-                await call.commit(call.record(capture, capture.assembled(api.chat), status, error))
-            except ProxyError as exc:
-                unrecorded = exc
+        _, error, unrecorded = await call.settle(resp, capture, lambda: capture.assembled(api.chat), status, error)
     if unrecorded is not None:
         yield b"data: " + orjson.dumps(error_body(unrecorded.message, unrecorded.type)) + b"\n\n"
     elif error is None:

@@ -21,13 +21,12 @@ from functools import cache
 from typing import Any
 
 import aiohttp
-import anyio
 import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy.capture import Capture, carries_output
-from proxy.errors import BadRequest, NotFound, ProxyError, json_response
+from proxy.errors import BadRequest, NotFound, json_response
 from proxy.forwarding import (
     Call,
     StreamBroken,
@@ -238,16 +237,12 @@ async def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIt
     except StreamBroken as exc:
         status, error = 502, str(exc)
     finally:
-        with anyio.CancelScope(shield=True):  # see openai_api._relay
-            resp.release()
-            try:
-                answer = final["response"] if final else to_response(capture.assembled(True), body, response_id)
-            except Exception as exc:  # recorded all the same, with its tokens
-                answer, error = None, error or f"the answer could not be translated: {exc!r}"
-            try:
-                await call.commit(call.record(capture, answer, status, error))
-            except ProxyError as exc:
-                status, error = 502, exc.message
+
+        def whole() -> dict[str, Any]:
+            return final["response"] if final else to_response(capture.assembled(True), body, response_id)
+
+        answer, error, unrecorded = await call.settle(resp, capture, whole, status, error)
+        error = unrecorded.message if unrecorded is not None else error
     if final is None or error is not None:
         failed = {**(answer or {"id": response_id, "object": "response", "output": []}), "status": "failed",
                   "error": {"code": "server_error", "message": str(error)}}  # fmt: skip
