@@ -1,8 +1,8 @@
 """The forwarding core shared by every API surface: reading the body, finding the session,
 opening the upstream call, reading its stream, and recording the call however it ends.
 
-Each API module (openai_api.py, anthropic.py, responses.py) translates its own request and answer shapes
-around these pieces.
+Each API module (openai_api.py, anthropic.py, responses.py) translates its own request and
+answer shapes around these pieces.
 """
 
 from __future__ import annotations
