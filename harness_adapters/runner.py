@@ -113,8 +113,7 @@ class EpisodeRunner:
             if reward.type == "harness":
                 if posted is None:
                     raise RewardError("the harness posted no reward")
-                total_posted = finite(posted, "the harness's reward")
-                parts.append(("harness", total_posted))
+                parts.append(("harness", finite(posted, "the harness's reward")))
                 continue
             parts.append((reward.type, reward.weight * await reward.score(task, outcome, endpoint, workdir)))
         for source, value in parts:
