@@ -20,11 +20,12 @@ POLICY = "policy"  # the model name harnesses get when the served one is not kno
 
 
 @contextmanager
-def proxy_for(config: CollectConfig) -> Iterator[tuple[str, str, str | None]]:
-    """(proxy URL, model name for harnesses, store URL or None when the proxy is someone else's)."""
+def proxy_for(config: CollectConfig) -> Iterator[tuple[str, str, str | None, str | None]]:
+    """(proxy URL, model name for harnesses, store URL, upstream base URL); the last two are
+    the config's own when the proxy is someone else's."""
     given = config.proxy
     if given.url:
-        yield given.url.rstrip("/"), POLICY, None
+        yield given.url.rstrip("/"), POLICY, given.db, given.upstream
         return
     from proxy.app import create_app
     from proxy.server import AppThread, backend_for
@@ -35,10 +36,11 @@ def proxy_for(config: CollectConfig) -> Iterator[tuple[str, str, str | None]]:
         "max_model_len": given.max_model_len, "max_completion_tokens": given.max_completion_tokens,
         "upstream_token_ids": given.token_ids,
         "upstream_api_key": os.environ.get(given.upstream_api_key_env) if given.upstream_api_key_env else None,
+        "vllm_args": given.vllm_args or None,
     }  # fmt: skip
     settings = Settings(**{k: v for k, v in fields.items() if v is not None})
     with backend_for(settings) as (settings, _), AppThread(create_app(settings)) as proxy:
-        yield proxy.url, settings.served_model_name or POLICY, settings.db
+        yield proxy.url, settings.served_model_name or POLICY, settings.db, settings.upstream
 
 
 def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeResult], Path, str | None]:
@@ -49,7 +51,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
     total = len(tasks) * config.episodes_per_task
     columns = (TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
-    with proxy_for(config) as (url, model, db), Progress(*columns, disable=not progress) as bar:
+    with proxy_for(config) as (url, model, db, _), Progress(*columns, disable=not progress) as bar:
         runner = EpisodeRunner(url, adapter, rewards, model, out / "episodes", config.run, config.timeout,
                                config.concurrency, config.proxy.admin_token)  # fmt: skip
         job = bar.add_task("episodes", total=total, rate="")

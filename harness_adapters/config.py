@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -88,6 +88,7 @@ class ProxyConfig(_Strict):
     max_completion_tokens: int | None = None
     token_ids: bool = Field(True, description="false for an upstream other than vLLM: calls recorded as text")
     upstream_api_key_env: str | None = Field(None, description="the variable holding the upstream's API key")
+    vllm_args: list[str] = Field(default_factory=list, description="extra arguments of a launched vLLM")
 
 
 class CollectConfig(_Strict):
@@ -145,7 +146,10 @@ class CollectConfig(_Strict):
         return sources
 
 
-def load_config(path: str | Path) -> CollectConfig:
+C = TypeVar("C", bound=CollectConfig)
+
+
+def load_config(path: str | Path, kind: type[C]) -> C:
     path = Path(path)
     try:
         raw: Any = yaml.safe_load(path.read_text())
@@ -156,7 +160,7 @@ def load_config(path: str | Path) -> CollectConfig:
     if "base" in raw:
         raise ConfigError(f"{path}: base: extra inputs are not permitted")
     try:
-        return CollectConfig.model_validate({**raw, "base": path.resolve().parent})
+        return kind.model_validate({**raw, "base": path.resolve().parent})
     except ValidationError as exc:
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
         raise ConfigError(f"{path}: " + "; ".join(problems)) from exc

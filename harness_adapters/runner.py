@@ -58,15 +58,19 @@ class EpisodeRunner:
     concurrency: int = 4
     admin_token: str | None = None
 
+    def admin(self) -> httpx.AsyncClient:
+        """A client of the proxy's admin API (use it in `async with`)."""
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        # Connections idle for less than any server keeps them (uvicorn's default: 5 s).
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        return httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=60, limits=limits)
+
     async def run_all(
         self, tasks: list[Task], episodes_per_task: int, done: Callable[[EpisodeResult], None] | None = None
     ) -> list[EpisodeResult]:
         """Every task `episodes_per_task` times; `done` is called as each episode finishes."""
-        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
         limit = asyncio.Semaphore(self.concurrency)
-        # Connections idle for less than any server keeps them (uvicorn's default: 5 s).
-        limits = httpx.Limits(keepalive_expiry=2.0)
-        async with httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=60, limits=limits) as admin:
+        async with self.admin() as admin:
 
             async def one(task: Task, n: int) -> EpisodeResult:
                 async with limit:
@@ -78,8 +82,9 @@ class EpisodeRunner:
             work = [one(task, n) for task in tasks for n in range(episodes_per_task)]
             return list(await asyncio.gather(*work))
 
-    async def episode(self, admin: httpx.AsyncClient, task: Task, n: int) -> EpisodeResult:
-        group = f"{self.run}/{task.id}"
+    async def episode(self, admin: httpx.AsyncClient, task: Task, n: int, group: str | None = None) -> EpisodeResult:
+        """One episode, in the GRPO group `group` (default: run/task)."""
+        group = group or f"{self.run}/{task.id}"
         created = await admin.post("/admin/sessions", json={"run": self.run, "task_id": task.id, "group_id": group,
                                                             "metadata": {"episode": n}})  # fmt: skip
         created.raise_for_status()

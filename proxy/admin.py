@@ -141,6 +141,15 @@ async def end_session(session_id: str, request: Request, body: SessionEnd | None
     return session_json(await _existing(request, session_id))
 
 
+@admin.post("/policy_version/refresh")
+async def refresh_version(request: Request) -> dict[str, Any]:
+    """Read the upstream's weight version now: the trainer calls this during a hot swap, before
+    resuming vLLM, so that no call starting after the swap is stamped with the old version."""
+    upstream = _state(request).upstream
+    await upstream.refresh_version()
+    return {"policy_version": upstream.version}
+
+
 ops = APIRouter()
 
 

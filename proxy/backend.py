@@ -64,6 +64,9 @@ class VllmServer:
             "--max-model-len", str(max_model_len),
             "--enable-auto-tool-choice",
             "--tool-call-parser", tool_call_parser,
+            # Logprobs of the distribution tokens were sampled from (after temperature, top-p):
+            # the behaviour policy that GRPO's importance ratios need.
+            "--logprobs-mode", "processed_logprobs",
             *(extra_args or []),
         ]  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None

@@ -277,12 +277,12 @@ def collect(
 ) -> None:
     """Run a config's harness episodes through the proxy without training; print success per task."""
     from harness_adapters.collect import collect as run_collect
-    from harness_adapters.config import ConfigError, load_config
+    from harness_adapters.config import CollectConfig, ConfigError, load_config
     from harness_adapters.runner import summary
     from harness_adapters.tasks import TaskError
 
     try:
-        loaded = load_config(config)
+        loaded = load_config(config, CollectConfig)
         if upstream:
             loaded.proxy.upstream = upstream
         results, path, db = run_collect(loaded)
@@ -303,6 +303,43 @@ def collect(
         if r.status == "no_calls":
             console.print(f"[yellow]{r.session_id}[/yellow] (task {r.task.id}): {r.error}", highlight=False)
     console.print(f"episodes: {path}" + (f"\nstore: {db}  (rl-proxy export --db {db} ...)" if db else ""))
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="the run's YAML config (see trainer/config.py)")],
+    resume: Annotated[bool, typer.Option(help="continue from the run's newest checkpoint")] = False,
+) -> None:
+    """Run episodes, train on them with GRPO and hot-swap the weights into vLLM, from one config."""
+    from harness_adapters.config import ConfigError, load_config
+    from harness_adapters.tasks import TaskError
+    from trainer.config import TrainConfig
+    from trainer.loop import TrainError
+    from trainer.run import train as run_train
+    from trainer.swap import SwapError
+
+    try:
+        loaded = load_config(config, TrainConfig)
+        result = run_train(loaded, resume)
+    except (ConfigError, TaskError, TrainError, SwapError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from exc
+    except KeyboardInterrupt as exc:
+        console.print(f"stopped; continue with: rl-proxy train {config} --resume")
+        raise typer.Exit(130) from exc
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0%}"
+
+    console.print(
+        f"{result['step']} steps, policy version {result['version']}, {result['samples']} samples "
+        f"({result['tokens']} sampled tokens) in {result['seconds'] / 60:.1f} min\n"
+        f"held-out success: {pct(result['before'])} before, {pct(result['after'])} after\n"
+        f"groups skipped (equal rewards): {result['skipped_equal']}, stale episodes dropped: "
+        f"{result['dropped_stale']}, unscored episodes: {result['unscored']}\n"
+        f"metrics: {result['metrics']}" + (f"\nplot: {result['plot']}" if result["plot"] else ""),
+        highlight=False,
+    )
 
 
 def _log_setup() -> None:

@@ -348,7 +348,12 @@ class Store:
         return sessions[0] if sessions else None
 
     async def list_sessions(
-        self, *, run: str | None = None, session_id: str | None = None, limit: int | None = None
+        self,
+        *,
+        run: str | None = None,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        limit: int | None = None,
     ) -> list[SessionInfo]:
         # Correlated subqueries walk the (session_id, ...) indexes: one session costs the same
         # however many calls the store holds (a GROUP BY over all calls did not).
@@ -363,6 +368,8 @@ class Store:
             query = query.where(SessionRow.run == run)
         if session_id is not None:
             query = query.where(SessionRow.id == session_id)
+        if group_id is not None:
+            query = query.where(SessionRow.group_id == group_id)
         async with self._sessions() as s:
             result = await s.execute(query)
             return [_session_info(row, reward, n or 0) for row, reward, n in result.all()]

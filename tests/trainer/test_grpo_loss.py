@@ -1,0 +1,180 @@
+"""The trainer's GRPO loss on a fixed batch of recorded multi-turn sequences, against TRL's own
+`GRPOTrainer` and against the formula written out by hand.
+
+The batch mixes lengths (so prompts are left-padded and completions right-padded), has tool
+tokens inside the completions (loss mask 0) and behaviour logprobs that differ from the
+model's (so clipping and the importance-sampling correction both act). A tiny random Llama
+with SmolLM2's tokenizer keeps it fast.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+
+from recorder.trajectories import Span, TrainingSequence  # noqa: E402
+from trainer.grpo import Learner, Sample, advantages  # noqa: E402
+
+CASES = [
+    # loss_type, importance_sampling_level, vLLM importance-sampling mode (None: no correction)
+    ("grpo", "token", None),
+    ("dapo", "token", None),
+    ("grpo", "sequence", None),
+    ("dapo", "sequence", None),
+    ("grpo", "token", "token_truncate"),
+    ("dapo", "token", "token_mask"),
+    ("grpo", "sequence", "sequence_mask"),
+    ("dapo", "sequence", "sequence_truncate"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from trainer.model import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default")[0])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _sequence(rng: random.Random, turns: list[tuple[int, int]], truncated: bool = False) -> TrainingSequence:
+    """A multi-turn sequence: (context tokens, sampled tokens) per turn."""
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    spans = []
+    for context, sampled in turns:
+        ids += [rng.randrange(100, 5000) for _ in range(context)]
+        mask += [0] * context
+        logprobs += [0.0] * context
+        spans.append(Span(len(ids), len(ids) + sampled, len(spans), "0", "0"))
+        ids += [rng.randrange(100, 5000) for _ in range(sampled)]
+        mask += [1] * sampled
+        # A random model's logprobs are about -ln(vocabulary) = -10.8: near it, so that some
+        # ratios are clipped and some not, and some sequences pass the importance caps.
+        logprobs += [-10.8 + rng.uniform(-0.4, 0.4) for _ in range(sampled)]
+    return TrainingSequence("s", 0, ids, mask, logprobs, spans, truncated)
+
+
+def _batch() -> list[Sample]:
+    rng = random.Random(7)
+    sequences = [
+        _sequence(rng, [(12, 5), (6, 4)]),
+        _sequence(rng, [(20, 3)]),
+        _sequence(rng, [(9, 6), (4, 2), (3, 5)]),
+        _sequence(rng, [(15, 7)], truncated=True),
+    ]
+    return [Sample(s, a) for s, a in zip(sequences, [1.2, -0.7, 0.4, -0.9], strict=True)]
+
+
+def _config(loss_type: str, level: str, mode: str | None) -> dict[str, Any]:
+    grpo: dict[str, Any] = {"loss_type": loss_type, "importance_sampling_level": level, "epsilon": 0.2,
+                            "epsilon_high": 0.28, "vllm_importance_sampling_correction": mode is not None,
+                            "temperature": 0.9}  # fmt: skip
+    if mode:
+        grpo.update(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.8,
+                    vllm_importance_sampling_clip_max=1.25)  # fmt: skip
+    return grpo
+
+
+def _reference(model: Any, samples: list[Sample], grpo: dict[str, Any]) -> Any:
+    """The loss written out: one sequence at a time, no padding, no TRL."""
+    eps_low, eps_high, mode = grpo["epsilon"], grpo["epsilon_high"], grpo.get("vllm_importance_sampling_mode")
+    per_sequence, weights = [], []
+    for sample in samples:
+        seq, k = sample.sequence, sample.split
+        ids = torch.tensor(seq.input_ids)
+        logits = model(ids[None]).logits[0, :-1].float() / grpo["temperature"]
+        logp = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0][k - 1 :]
+        mask = torch.tensor(seq.loss_mask[k:], dtype=torch.float)
+        behaviour = torch.tensor(seq.logprobs[k:])
+        old = logp.detach() if mode else behaviour
+        log_ratio = logp - old
+        if grpo["importance_sampling_level"] == "sequence":
+            log_ratio = (log_ratio * mask).sum() / mask.sum()
+        ratio = torch.exp(log_ratio)
+        a = sample.advantage
+        loss = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+        if mode:
+            diff = (old - behaviour) * mask
+            w = torch.exp(diff.sum() if mode.startswith("sequence") else diff)
+            low, high = grpo["vllm_importance_sampling_clip_min"], grpo["vllm_importance_sampling_clip_max"]
+            w = torch.clamp(w, low, high) if mode.endswith("truncate") else w * ((w >= low) & (w <= high))
+            loss = loss * w
+        loss = loss * torch.ones_like(mask)  # sequence level: the same value on every token
+        per_sequence.append((loss * mask).sum())
+        weights.append(mask.sum())
+    if grpo["loss_type"] == "grpo":
+        return torch.stack([s / w for s, w in zip(per_sequence, weights, strict=True)]).mean()
+    return torch.stack(per_sequence).sum() / torch.stack(weights).sum()
+
+
+@pytest.mark.parametrize(("loss_type", "level", "mode"), CASES)
+def test_loss_equals_trl_and_the_formula(tiny_model: Path, tmp_path: Path, loss_type: str, level: str,
+                                         mode: str | None) -> None:  # fmt: skip
+    grpo = _config(loss_type, level, mode)
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=8)
+    learner.model.train()
+    samples = _batch()
+    ours = learner.loss(learner.inputs(samples))
+
+    # TRL's own GRPOTrainer (the learner holds one, not a subclass), one sequence at a time (no
+    # padding at all), combined as TRL aggregates: grpo averages the sequences, dapo divides
+    # every token's loss by the whole batch's token count.
+    from trl import GRPOTrainer
+
+    assert type(learner.trl) is GRPOTrainer
+    total_tokens = sum(s.sequence.sampled_tokens for s in samples)
+    singles = []
+    for sample in samples:
+        single = learner.inputs([sample], num_items=total_tokens)
+        assert single["prompt_mask"].all() and single["completion_mask"].all()  # nothing padded
+        singles.append(learner.trl.compute_loss(learner.model, single))
+    trl_loss = torch.stack(singles).mean() if loss_type == "grpo" else torch.stack(singles).sum()
+    torch.testing.assert_close(ours, trl_loss, rtol=1e-5, atol=1e-6)
+
+    reference = _reference(learner.model, samples, grpo)
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
+    assert ours.requires_grad and float(ours.detach()) != 0.0
+
+
+def test_truncated_completions_masked(tiny_model: Path, tmp_path: Path) -> None:
+    learner = Learner(str(tiny_model), tmp_path, {"mask_truncated_completions": True}, total_steps=1)
+    batch = learner.inputs(_batch())
+    assert batch["completion_mask"][3].sum() == 0 and batch["completion_mask"][:3].sum() > 0
+    assert batch["num_items_in_batch"] == sum(s.sequence.sampled_tokens for s in _batch()[:3])
+
+
+def test_step_changes_the_weights(tiny_model: Path, tmp_path: Path) -> None:
+    learner = Learner(str(tiny_model), tmp_path, {"learning_rate": 1e-2}, total_steps=2, micro_batch=2)
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    metrics = learner.step(_batch())
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters(), strict=True))
+    assert changed > 0 and metrics["grad_norm"] > 0
+    assert {"loss", "entropy", "clip_ratio/region_mean"} <= set(metrics)
+
+
+def test_group_advantages() -> None:
+    assert advantages([1.0, 0.0, 0.0, 1.0], scale="none") == [0.5, -0.5, -0.5, 0.5]
+    scaled = advantages([1.0, 0.0, 0.0, 1.0], scale="group")
+    assert scaled[0] == pytest.approx(0.5 / (0.57735 + 1e-4), rel=1e-4)
+    # leave-one-out: each reward against the mean of the others
+    assert advantages([1.0, 0.0, 0.0], scale="none", baseline="leave_one_out") == pytest.approx([1.0, -0.5, -0.5])
+
+
+def test_unknown_grpo_key_is_named(tiny_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="num_generations"):
+        Learner(str(tiny_model), tmp_path, {"num_generations": 4}, total_steps=1)

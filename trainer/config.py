@@ -1,0 +1,71 @@
+"""The YAML config of `rl-proxy train`: a collect config (tasks, harness, rewards, proxy) with
+a `train` section and an optional `eval` section. Unknown keys are refused by name. Example:
+harness_adapters/examples/arithmetic/train.yaml.
+
+    train:
+      steps: 30
+      groups_per_step: 4        # GRPO groups (one task, episodes_per_task episodes) per step
+      mode: async               # async: rollouts go on while training; sync: generate, train, repeat
+      max_staleness: 1          # policy versions a sample may lag behind; older ones are dropped
+      queue_groups: 4           # finished groups waiting for the trainer; more blocks rollouts
+      sync_every: 1             # optimizer steps between weight swaps into vLLM
+      grpo:                     # TRL GRPOConfig fields, with TRL's meaning and defaults
+        loss_type: dapo
+        learning_rate: 2.0e-5
+    eval:
+      split: heldout
+      episodes_per_task: 4
+      every: 10                 # also before the first step and after the last
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from harness_adapters.config import CollectConfig, _Strict
+from trainer.grpo import GRPO_KEYS
+
+
+class TrainSection(_Strict):
+    steps: int = Field(20, ge=1)
+    groups_per_step: int = Field(4, ge=1)
+    mode: Literal["async", "sync"] = "async"
+    max_staleness: int = Field(1, ge=0)
+    queue_groups: int = Field(4, ge=1, description="finished groups the trainer has not taken; more wait")
+    sync_every: int = Field(1, ge=1)
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    micro_batch: int = Field(8, ge=1, description="sequences per forward/backward pass")
+    keep_versions: int = Field(2, ge=1, description="weight directories kept (the newest)")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    grpo: dict[str, Any] = Field(default_factory=dict, description="TRL GRPOConfig fields")
+
+    @model_validator(mode="after")
+    def known(self) -> TrainSection:
+        unknown = sorted(set(self.grpo) - GRPO_KEYS)
+        if unknown:
+            raise ValueError(f"grpo: {unknown} not used here (samples come from the store); known: {sorted(GRPO_KEYS)}")
+        return self
+
+
+class EvalSection(_Strict):
+    split: Literal["train", "heldout", "all"] = "heldout"
+    episodes_per_task: int = Field(4, ge=1)
+    every: int = Field(0, ge=0, description="steps between evaluations; 0: only before and after")
+
+
+class TrainConfig(CollectConfig):
+    split: Literal["train", "heldout", "all"] = "train"
+    episodes_per_task: int = Field(4, ge=2)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection | None = None
+
+    @model_validator(mode="after")
+    def reachable(self) -> TrainConfig:
+        p = self.proxy
+        if p.url and not (p.db and p.upstream):
+            raise ValueError(
+                "proxy: with 'url' (a running proxy), training also needs its 'db' and its vLLM 'upstream'"
+            )
+        return self

@@ -1,0 +1,236 @@
+"""GRPO on recorded trajectories, with TRL's own loss.
+
+Why TRL's `GRPOTrainer` is used as a part and not run with `.train()`: its training loop
+generates inside `_prepare_inputs` and walks an epoch-based dataloader, while here samples
+arrive from the store while rollouts go on, are filtered by staleness when a step starts, and
+weights are swapped into vLLM between steps. (TRL's own asynchronous trainer needs CUDA and
+FlashAttention.) So the loop is ours, and everything inside a step is TRL's: the model wrapper
+(PEFT, reference model for `beta`, accelerate), the optimizer and scheduler from its
+`TrainingArguments`, the per-token logprobs at the sampling temperature and `compute_loss`
+for every `loss_type`, importance-sampling level, clipping and KL term, with TRL's metrics.
+
+What goes into the loss: a recorded sequence splits where its first sampled token is; the
+rest is TRL's completion, with the trajectory's loss mask as its `tool_mask` (tool output and
+template glue between turns are 0). The behaviour logprobs the proxy recorded are the sampling
+logprobs. Without vLLM importance-sampling correction they are also the old-policy logprobs
+(the PPO ratio is taken against the policy that sampled). With it (TRL's default), the
+old-policy logprobs are the trainer's own before the step and the ratio of those to the
+behaviour logprobs is capped or masked exactly as TRL does it for its vLLM samples; across
+policy versions this is the decoupled objective of AReaL.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recorder.trajectories import TrainingSequence
+
+# The GRPOConfig fields that mean something here; the rest are about TRL's own generation.
+GRPO_KEYS = {
+    "loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "delta", "beta", "scale_rewards",
+    "mask_truncated_completions", "temperature", "top_entropy_quantile", "off_policy_mask_threshold",
+    "use_bias_correction_kl", "max_completion_length", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+    "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "adam_beta1",
+    "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "gradient_checkpointing", "bf16", "fp16", "seed",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A training sequence and the advantage of the episode it came from."""
+
+    sequence: TrainingSequence
+    advantage: float
+
+    @property
+    def split(self) -> int:
+        """Where the completion starts: the first sampled token."""
+        return self.sequence.loss_mask.index(1)
+
+
+def advantages(rewards: Sequence[float], scale: str = "group", baseline: str = "mean") -> list[float]:
+    """Group-relative advantages: reward minus the group's mean (or, with `leave_one_out`, the
+    mean of the others), divided by the group's standard deviation when `scale` is "group"
+    (TRL's `scale_rewards`; "batch" is applied across groups by the caller)."""
+    n = len(rewards)
+    mean = statistics.fmean(rewards)
+    centred = [r - mean for r in rewards]
+    if baseline == "leave_one_out":
+        centred = [c * n / (n - 1) for c in centred]
+    if scale == "group":
+        std = statistics.stdev(rewards) if n > 1 else 0.0
+        centred = [c / (std + 1e-4) for c in centred]
+    return centred
+
+
+def scale_batch(values: list[float]) -> list[float]:
+    """TRL's `scale_rewards="batch"`: advantages divided by the batch's standard deviation."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return [v / (std + 1e-4) for v in values]
+
+
+class Learner:
+    """The policy being trained: TRL's GRPOTrainer, fed batches of recorded samples."""
+
+    def __init__(
+        self,
+        model_path: str,
+        out_dir: Path,
+        grpo: dict[str, Any],
+        total_steps: int,
+        micro_batch: int = 8,
+    ) -> None:
+        import torch
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from trl import GRPOConfig, GRPOTrainer
+
+        unknown = set(grpo) - GRPO_KEYS
+        if unknown:
+            raise ValueError(f"grpo: not used by this trainer (its samples come from the store): {sorted(unknown)}")
+        cpu = not torch.cuda.is_available()
+        args = GRPOConfig(
+            output_dir=str(out_dir), report_to=[], save_strategy="no", logging_strategy="no", use_cpu=cpu,
+            **({"bf16": False} if cpu else {}), per_device_train_batch_size=2, num_generations=2, **grpo,
+        )  # fmt: skip
+        self.args = args
+        self.micro_batch = micro_batch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if cpu else "auto")
+        self.trl = GRPOTrainer(
+            model=model, args=args, processing_class=self.tokenizer,
+            reward_funcs=[lambda completions, **_: [0.0] * len(completions)],  # rewards come from the store
+            train_dataset=Dataset.from_list([{"prompt": ""}] * 2),
+        )  # fmt: skip
+        self.trl.create_optimizer_and_scheduler(num_training_steps=total_steps)
+        self.model = self.trl.model
+        self.device = self.trl.accelerator.device
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def inputs(self, samples: list[Sample], num_items: int | None = None) -> dict[str, Any]:
+        """TRL's batch for these samples: prompts left-padded, completions right-padded, the
+        loss mask as `tool_mask`, the behaviour logprobs as `sampling_per_token_logps`."""
+        import torch
+
+        prompts = [s.sequence.input_ids[: s.split] for s in samples]
+        rests = [slice(s.split, len(s.sequence.input_ids)) for s in samples]
+        width_p = max(len(p) for p in prompts)
+        width_c = max(r.stop - r.start for r in rests)
+
+        def completions(values: str, fill: Any) -> Any:
+            rows = [getattr(s.sequence, values)[r] for s, r in zip(samples, rests, strict=True)]
+            return torch.tensor([row + [fill] * (width_c - len(row)) for row in rows], device=self.device)
+
+        lengths = torch.tensor([r.stop - r.start for r in rests], device=self.device)
+        completion_mask = (torch.arange(width_c, device=self.device)[None, :] < lengths[:, None]).long()
+        if self.args.mask_truncated_completions:
+            truncated = torch.tensor([s.sequence.truncated for s in samples], device=self.device)
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
+        batch = {
+            "prompt_ids": torch.tensor([[self.pad_id] * (width_p - len(p)) + p for p in prompts], device=self.device),
+            "prompt_mask": torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts], device=self.device),
+            "completion_ids": completions("input_ids", self.pad_id),
+            "completion_mask": completion_mask,
+            "tool_mask": completions("loss_mask", 1),
+            "sampling_per_token_logps": completions("logprobs", 0.0),
+            "advantages": torch.tensor([s.advantage for s in samples], device=self.device),
+        }
+        mask = batch["completion_mask"] * batch["tool_mask"]
+        batch["num_items_in_batch"] = torch.tensor(float(num_items if num_items is not None else mask.sum()))
+        return self._policy_terms(batch, mask)
+
+    def _policy_terms(self, batch: dict[str, Any], mask: Any) -> dict[str, Any]:
+        """Old-policy and reference logprobs and the importance-sampling ratio, as TRL's
+        `_generate_and_score_completions` makes them for samples from vLLM."""
+        import torch
+
+        trl, args = self.trl, self.args
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        keep = batch["completion_ids"].size(1)
+        if not args.vllm_importance_sampling_correction:
+            batch["old_per_token_logps"] = batch["sampling_per_token_logps"]
+        else:
+            with torch.no_grad():
+                old, _, _ = trl._get_per_token_logps_and_entropies(self.model, ids, attention, keep, self.micro_batch)
+            batch["old_per_token_logps"] = old
+            diff = ((old - batch["sampling_per_token_logps"]) * mask).nan_to_num(0.0)
+            if args.vllm_importance_sampling_mode.startswith("sequence"):
+                diff = diff.sum(dim=-1, keepdim=True)
+            ratio = torch.exp(diff)
+            low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+            if args.vllm_importance_sampling_mode.endswith("truncate"):
+                ratio = torch.clamp(ratio, min=low, max=high)
+            else:
+                outside = (ratio < (low if low is not None else -math.inf)) | (
+                    ratio > (high if high is not None else math.inf)
+                )
+                ratio = ratio.masked_fill(outside, 0.0)
+            batch["importance_sampling_ratio"] = ratio
+        if trl.beta != 0.0:  # TRL keeps a frozen copy of the starting model as the reference
+            with torch.no_grad():
+                ref, _, _ = trl._get_per_token_logps_and_entropies(
+                    trl.ref_model, ids, attention, keep, self.micro_batch
+                )
+            batch["ref_per_token_logps"] = ref
+        return batch
+
+    def loss(self, batch: dict[str, Any], accumulation: int = 1) -> Any:
+        """TRL's GRPO loss for one micro-batch of a step made of `accumulation` micro-batches."""
+        trl = self.trl
+        trl.use_vllm = self.args.vllm_importance_sampling_correction  # the samples come from vLLM
+        trl.current_gradient_accumulation_steps = accumulation
+        trl.args.steps_per_generation = accumulation
+        return trl.compute_loss(self.model, batch)
+
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step on these samples (in micro-batches); TRL's metrics for it."""
+        trl = self.trl
+        self.model.train()
+        trl._metrics["train"].clear()
+        parts = [samples[i : i + self.micro_batch] for i in range(0, len(samples), self.micro_batch)]
+        num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
+        total = 0.0
+        for part in parts:
+            loss = self.loss(self.inputs(part, num_items), len(parts))
+            trl.accelerator.backward(loss)
+            total += float(loss.detach())
+        grad_norm = trl.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        trl.optimizer.step()
+        trl.lr_scheduler.step()
+        trl.optimizer.zero_grad()
+        metrics = {k: statistics.fmean(v) for k, v in trl._metrics["train"].items() if v}
+        return {
+            **metrics,
+            "loss": total,
+            "grad_norm": float(grad_norm),
+            "learning_rate": trl.lr_scheduler.get_last_lr()[0],
+        }
+
+    def _masked(self, sample: Sample) -> bool:
+        return bool(self.args.mask_truncated_completions and sample.sequence.truncated)
+
+    def save(self, directory: Path, with_optimizer: bool = True) -> None:
+        """The weights as safetensors and the tokenizer (a directory vLLM can load or reload),
+        and the optimizer and scheduler state."""
+        import torch
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.trl.accelerator.unwrap_model(self.model).save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
+        if with_optimizer:
+            torch.save({"optimizer": self.trl.optimizer.state_dict(), "scheduler": self.trl.lr_scheduler.state_dict()},
+                       directory / "optimizer.pt")  # fmt: skip
+
+    def load_optimizer(self, directory: Path) -> None:
+        import torch
+
+        state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.trl.optimizer.load_state_dict(state["optimizer"])
+        self.trl.lr_scheduler.load_state_dict(state["scheduler"])

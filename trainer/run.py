@@ -1,0 +1,130 @@
+"""`rl-proxy train CONFIG`: everything one command needs. Prepares the model, starts vLLM and the
+proxy (or attaches to the config's), loads the policy into TRL, evaluates, trains with a live
+display, swaps weights, checkpoints, evaluates again and plots. `--resume` continues from the
+newest checkpoint in the run's directory: weights, optimizer, step, version and the groups
+already used; groups that finished before the stop and were not trained on come first."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from harness_adapters.collect import proxy_for
+from harness_adapters.runner import EpisodeRunner
+from harness_adapters.tasks import load_tasks
+from recorder.store import Store
+from trainer.config import TrainConfig
+from trainer.grpo import Learner
+from trainer.loop import LoopState, TrainError, TrainLoop, latest_checkpoint, plot
+from trainer.swap import hot_swap, set_version
+
+
+def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
+    """TensorBoard and W&B, when the config asks for them."""
+    writers: list[Callable[[dict[str, Any]], None]] = []
+    if "tensorboard" in config.train.report_to:
+        from torch.utils.tensorboard import SummaryWriter
+
+        board = SummaryWriter(str(config.out_dir / "tensorboard"))
+
+        def to_board(row: dict[str, Any]) -> None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    board.add_scalar(key, value, row["step"])
+            board.flush()
+
+        writers.append(to_board)
+    if "wandb" in config.train.report_to:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise TrainError("report_to: wandb needs `pip install wandb`") from exc
+        wandb.init(project="rl-proxy", name=config.run, config=config.model_dump(mode="json"))
+        writers.append(lambda row: wandb.log(row, step=row["step"]))
+    return writers
+
+
+def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
+    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[line]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
+    bar = Progress(*columns)
+    job = bar.add_task("train", total=total, line="waiting for the first groups")
+
+    def update(row: dict[str, Any]) -> None:
+        line = (f"v{row['version']} reward {row['reward']:.2f} staleness {row['staleness_mean']:.1f} "
+                f"{row['tokens_per_s']:.0f} tok/s skipped {row['skipped_equal']} "
+                f"stale {row['dropped_stale']}")  # fmt: skip
+        bar.update(job, completed=row["step"], line=line)
+
+    return bar, update
+
+
+def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run the whole loop; a summary (held-out success before and after, counts, seconds)."""
+    from trainer.model import resolve_model
+
+    out = config.out_dir
+    checkpoint = latest_checkpoint(out)
+    if resume and checkpoint is None:
+        raise TrainError(f"--resume: no checkpoint in {out / 'versions'}")
+    if not resume and checkpoint is not None:
+        raise TrainError(f"{out} already holds checkpoints: continue with --resume, or set another 'out'")
+    state = LoopState.load(checkpoint / "state.json") if checkpoint else None
+    tasks = load_tasks(config.path(config.tasks), None if config.split == "all" else config.split)
+    evaluation = config.eval
+    eval_tasks = (
+        load_tasks(config.path(config.tasks), None if evaluation.split == "all" else evaluation.split)
+        if evaluation
+        else []
+    )
+    adapter, rewards = config.adapter(), config.reward_sources()
+    base = Path(resolve_model(config.proxy.model)[0])
+    out.mkdir(parents=True, exist_ok=True)
+    learner = Learner(
+        str(checkpoint or base), out / "trl", config.train.grpo, config.train.steps, config.train.micro_batch
+    )
+    if checkpoint is not None:
+        learner.load_optimizer(checkpoint)
+    with proxy_for(config) as (url, model, db, upstream):
+        if db is None or upstream is None:
+            raise TrainError("training needs the proxy's store and its vLLM upstream")
+        roots = [upstream.removesuffix("/v1")]
+
+        async def main() -> dict[str, Any]:
+            async with Store(db) as store:
+                token = config.proxy.admin_token
+
+                def runner_for(run: str, workdir: Path) -> EpisodeRunner:
+                    return EpisodeRunner(url, adapter, rewards, model, workdir, run, config.timeout,
+                                         config.concurrency, token)  # fmt: skip
+
+                runner = runner_for(config.run, out / "episodes")
+                eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None
+                loop = TrainLoop(config, learner, runner, store, roots, base, state)
+                loop.writers = _writers(config)
+                async with runner.admin() as admin:
+
+                    async def announce() -> None:
+                        await admin.post("/admin/policy_version/refresh")
+
+                    if checkpoint is not None:  # vLLM serves the checkpoint's weights under its version
+                        await hot_swap(roots, checkpoint, str(loop.state.version), base, announce)
+                    else:
+                        for root in roots:
+                            await set_version(root, "0")
+                        await announce()
+                if not progress:
+                    return await loop.run(tasks, eval_runner, eval_tasks)
+                bar, loop.on_step = _display(config.train.steps)
+                with bar:
+                    return await loop.run(tasks, eval_runner, eval_tasks)
+
+        summary = asyncio.run(main())
+    metrics = out / "metrics.jsonl"
+    summary["metrics"] = metrics
+    summary["plot"] = plot(metrics, out / "training.png") if metrics.exists() else None
+    return summary
