@@ -1,9 +1,9 @@
-# rl-proxy: `make demo` installs everything and runs the main job; `make test` runs the suite.
+# rl-proxy: `make train` installs everything and runs the main job; `make test` runs the suite.
 PY ?= python3
 PIP := $(PY) -m pip
 STAMP := .install.stamp
 
-.PHONY: install demo test lint fmt bench serve
+.PHONY: install train demo test lint fmt bench serve
 
 install: $(STAMP)
 
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PY) -m proxy.cli model prepare
 	touch $(STAMP)
+
+train: install
+	$(PY) -m proxy.cli train harness_adapters/examples/arithmetic/train.yaml
 
 demo: install
 	$(PY) -m proxy.cli demo
@@ -38,3 +41,4 @@ bench: install
 	$(PY) -m tests.bench_proxy
 	$(PY) -m tests.bench_trajectories
 	$(PY) -m tests.bench_episodes
+	$(PY) -m tests.bench_train

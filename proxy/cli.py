@@ -313,6 +313,7 @@ def train(
     """Run episodes, train on them with GRPO and hot-swap the weights into vLLM, from one config."""
     from harness_adapters.config import ConfigError, load_config
     from harness_adapters.tasks import TaskError
+    from proxy.backend import BackendError
     from trainer.config import TrainConfig
     from trainer.loop import TrainError
     from trainer.run import train as run_train
@@ -321,7 +322,7 @@ def train(
     try:
         loaded = load_config(config, TrainConfig)
         result = run_train(loaded, resume)
-    except (ConfigError, TaskError, TrainError, SwapError) as exc:
+    except (ConfigError, TaskError, TrainError, SwapError, BackendError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from exc
     except KeyboardInterrupt as exc:

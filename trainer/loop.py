@@ -39,6 +39,8 @@ from trainer.config import TrainConfig
 from trainer.grpo import Learner, Sample, advantages
 from trainer.swap import SwapError, hot_swap
 
+FAILING_GROUPS = 3
+
 
 class TrainError(RuntimeError):
     """The run cannot go on; the message says why. The last checkpoint is intact."""
@@ -109,8 +111,8 @@ class TrainLoop:
         self.rollout_rewards: list[float] = []
         self.metrics_file = self.out / "metrics.jsonl"
         self.started = time.monotonic()
-        self.writers: list[Any] = []
-        self.on_step: Any = None  # called with each step's metrics (the live display)
+        self.writers: list[Any] = []  # each gets every metrics row: TensorBoard, W&B, the display
+        self.failing = 0  # groups in a row without one scored episode
 
     # Rollouts
 
@@ -188,15 +190,26 @@ class TrainLoop:
                 self.state.dropped_stale += 1
                 continue
             kept.append((s, sequences, current - version))
+        self.check_failing(sessions)
         rewards = [float(s.reward) for s, _, _ in kept if s.reward is not None]
         if len(kept) < 2 or max(rewards) == min(rewards):
             self.state.skipped_equal += len(kept) >= 2
             return None
-        scale = self.learner.args.scale_rewards
-        scale = "group" if scale is True else ("none" if scale is False else scale)
-        values = advantages(rewards, "group" if scale == "group" else "none", self.cfg.baseline)
+        by_group = self.learner.args.scale_rewards in ("group", True)
+        values = advantages(rewards, "group" if by_group else "none", self.cfg.baseline)
         samples = [Sample(q, a) for (_, sequences, _), a in zip(kept, values, strict=True) for q in sequences]
         return samples, rewards, [lag for _, _, lag in kept]
+
+    def check_failing(self, sessions: list[SessionInfo]) -> None:
+        """Stop, naming the cause, when groups keep coming back without one scored episode
+        (vLLM gone, a harness that cannot start): training could never go on."""
+        if any(s.status == "ok" and s.reward is not None for s in sessions):
+            self.failing = 0
+            return
+        self.failing += 1
+        if self.failing >= FAILING_GROUPS:
+            errors = [s.metadata.get("outcome", {}).get("error") or s.status for s in sessions]
+            raise TrainError(f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}")
 
     async def batch(self, admin: Any) -> Batch:
         """`groups_per_step` usable groups: taken from the queue (async) or generated now (sync)."""
@@ -298,6 +311,7 @@ class TrainLoop:
         metrics = await asyncio.to_thread(self.learner.step, batch.samples)
         trained = time.monotonic() - start - waited
         tokens = sum(s.sequence.sampled_tokens for s in batch.samples)
+        processed = sum(len(s.sequence.input_ids) for s in batch.samples)
         self.state.step += 1
         self.state.samples += len(batch.samples)
         self.state.tokens += tokens
@@ -308,14 +322,13 @@ class TrainLoop:
             "step": self.state.step, "version": self.state.version, "reward": statistics.fmean(batch.rewards),
             "rollout_reward": statistics.fmean(self.rollout_rewards[-64:]) if self.rollout_rewards else None,
             "samples": len(batch.samples), "tokens": tokens, "tokens_per_s": tokens / max(trained, 1e-9),
+            "sequence_tokens_per_s": processed / max(trained, 1e-9),
             "staleness_mean": statistics.fmean(batch.staleness), "staleness_max": max(batch.staleness),
             "skipped_equal": self.state.skipped_equal, "dropped_stale": self.state.dropped_stale,
             "unscored": self.state.unscored, "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
             "queue": self.queue.qsize(), **{k.replace("/", "_"): v for k, v in metrics.items()},
         }  # fmt: skip
         self.write(row)
-        if self.on_step is not None:
-            self.on_step(row)
         every = self.config.eval.every if self.config.eval else 0
         if every and self.state.step % every == 0 and self.state.step < self.cfg.steps:
             await self.evaluate(eval_runner, eval_tasks)

@@ -7,10 +7,12 @@ already used; groups that finished before the stop and were not trained on come 
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness_adapters.collect import proxy_for
@@ -27,7 +29,10 @@ def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
     """TensorBoard and W&B, when the config asks for them."""
     writers: list[Callable[[dict[str, Any]], None]] = []
     if "tensorboard" in config.train.report_to:
-        from torch.utils.tensorboard import SummaryWriter
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise TrainError("report_to: tensorboard needs `pip install tensorboard`") from exc
 
         board = SummaryWriter(str(config.out_dir / "tensorboard"))
 
@@ -55,18 +60,27 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
     job = bar.add_task("train", total=total, line="waiting for the first groups")
 
     def update(row: dict[str, Any]) -> None:
+        if "heldout_success" in row:
+            bar.console.print(f"held-out success at step {row['step']}: {row['heldout_success']:.0%}")
+            return
         line = (f"v{row['version']} reward {row['reward']:.2f} staleness {row['staleness_mean']:.1f} "
                 f"{row['tokens_per_s']:.0f} tok/s skipped {row['skipped_equal']} "
                 f"stale {row['dropped_stale']}")  # fmt: skip
         bar.update(job, completed=row["step"], line=line)
+        bar.console.print(f"step {row['step']}/{total} {line} (train {row['train_s']:.0f} s, "
+                          f"waited {row['wait_s']:.0f} s)", highlight=False)  # fmt: skip
 
     return bar, update
 
 
 def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run the whole loop; a summary (held-out success before and after, counts, seconds)."""
+    from transformers.utils import logging as hf_logging
+
     from trainer.model import resolve_model
 
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM")  # 0.32 works for what is used
+    hf_logging.disable_progress_bar()
     out = config.out_dir
     checkpoint = latest_checkpoint(out)
     if resume and checkpoint is None:
@@ -83,6 +97,9 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     )
     adapter, rewards = config.adapter(), config.reward_sources()
     base = Path(resolve_model(config.proxy.model)[0])
+    if not (base / "config.json").exists():
+        raise TrainError(f"proxy.model: training needs the model as a local directory, and {base} is not one "
+                         "(download it first: `hf download NAME --local-dir DIR`)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     learner = Learner(
         str(checkpoint or base), out / "trl", config.train.grpo, config.train.steps, config.train.micro_batch
@@ -93,6 +110,10 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         if db is None or upstream is None:
             raise TrainError("training needs the proxy's store and its vLLM upstream")
         roots = [upstream.removesuffix("/v1")]
+        served = httpx.get(f"{upstream}/models", timeout=30).json()["data"]
+        if not any(Path(m.get("root") or "") == base for m in served):
+            raise TrainError(f"vLLM at {upstream} serves {[m.get('root') for m in served]}, not the model being "
+                             f"trained ({base}): its weights could not be swapped in")  # fmt: skip
 
         async def main() -> dict[str, Any]:
             async with Store(db) as store:
@@ -119,7 +140,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                         await announce()
                 if not progress:
                     return await loop.run(tasks, eval_runner, eval_tasks)
-                bar, loop.on_step = _display(config.train.steps)
+                bar, update = _display(config.train.steps)
+                loop.writers.append(update)
                 with bar:
                     return await loop.run(tasks, eval_runner, eval_tasks)
 

@@ -36,7 +36,7 @@ async def _post(client: httpx.AsyncClient, url: str, **kwargs: object) -> None:
 
 
 async def _reload(client: httpx.AsyncClient, root: str, weights: Path) -> None:
-    body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights.resolve())}}
     await _post(client, f"{root}/collective_rpc", json=body)
 
 
@@ -53,7 +53,8 @@ async def hot_swap(
     if not (weights / "model.safetensors").exists() and not any(weights.glob("*.safetensors")):
         raise SwapError(f"{weights}: no safetensors weights to load")
     longest = 0.0
-    async with httpx.AsyncClient(timeout=600) as client:
+    # A connection of its own per request: vLLM drops a connection after a failed RPC.
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for root in roots:
             start = time.perf_counter()
             await _post(client, f"{root}/pause", params={"mode": "keep"})

@@ -1,0 +1,115 @@
+"""The loop's data rules on a real store with hand-made records: groups read back as
+sequences, staleness filtering, equal-reward groups skipped, failed episodes not scored,
+leftover groups found after a restart, a run that keeps failing stopped by name."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from harness_adapters.config import HarnessConfig
+from recorder import CallRecord, Completion, SessionInfo, Store
+from trainer.config import TrainConfig, TrainSection
+from trainer.loop import LoopState, TrainError, TrainLoop
+
+T0 = datetime(2026, 1, 1)
+
+
+def _config(tmp_path: Path, **train: Any) -> TrainConfig:
+    return TrainConfig(run="r", tasks="t.jsonl", episodes_per_task=4, out=str(tmp_path),
+                       harness=HarnessConfig(type="python", agent="x:y"), train=TrainSection(**train))  # fmt: skip
+
+
+async def _episode(store: Store, group: str, n: int, version: str, reward: float | None, status: str = "ok") -> None:
+    session = await store.create_session(SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t",
+                                                     group_id=group))  # fmt: skip
+    prompt = [1, 2, 3]
+    for seq, tokens in enumerate([[10, 11], [12]]):  # two turns, merged into one sequence
+        await store.record(CallRecord(
+            session_id=session.id, seq=seq + 1, api="chat.completions", model="m", upstream="u", stream=False,
+            request={"messages": []}, response=None, ok=True, http_status=200, error=None,
+            prompt_token_ids=prompt, completions=[Completion(0, tokens, [-0.5] * len(tokens), "stop")],
+            policy_version=version, policy_version_end=version, started_at=T0, finished_at=T0,
+        ))  # fmt: skip
+        prompt = prompt + tokens + [7]
+    if reward is not None:
+        await store.add_reward(session.id, reward, "python")
+    await store.end_session(session.id, status, {"outcome": {"error": None if status == "ok" else "harness crashed"}})
+
+
+def _loop(tmp_path: Path, store: Store, state: LoopState, **train: Any) -> TrainLoop:
+    learner: Any = SimpleNamespace(args=SimpleNamespace(scale_rewards="none"))
+    return TrainLoop(_config(tmp_path, **train), learner, runner=None, store=store, vllm_roots=[],  # type: ignore[arg-type]
+                     base_weights=tmp_path, state=None if state.step == 0 else state)  # fmt: skip
+
+
+def test_staleness_equal_rewards_and_failures(tmp_path: Path) -> None:
+    async def main() -> tuple[Any, ...]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            # version 3 is serving; max_staleness 1 keeps versions 2 and 3
+            for n, (version, reward) in enumerate([("0", 1.0), ("2", 0.0), ("3", 1.0), ("3", 0.0)]):
+                await _episode(store, "mixed", n, version, reward)
+            for n in range(4):
+                await _episode(store, "equal", n, "3", 1.0)
+            for n in range(4):
+                await _episode(store, "failing", n, "3", None, status="failed" if n else "ok")
+            loop = _loop(tmp_path, store, LoopState(), max_staleness=1)
+            loop.state.version = 3
+            mixed = await loop.prepare("mixed")
+            equal = await loop.prepare("equal")
+            failing = await loop.prepare("failing")
+            return mixed, equal, failing, loop.state
+
+    mixed, equal, failing, state = asyncio.run(main())
+    assert mixed is not None
+    samples, rewards, staleness = mixed
+    assert rewards == [0.0, 1.0, 0.0] and staleness == [1, 0, 0]  # the version-0 episode dropped
+    assert [s.advantage for s in samples] == pytest.approx([-1 / 3, 2 / 3, -1 / 3])
+    assert all(s.sequence.input_ids == [1, 2, 3, 10, 11, 7, 12] for s in samples)
+    assert samples[0].sequence.loss_mask == [0, 0, 0, 1, 1, 0, 1]
+    assert equal is None and failing is None
+    assert (state.dropped_stale, state.skipped_equal, state.unscored) == (1, 1, 4)
+    assert state.consumed == ["mixed", "equal", "failing"]
+
+
+def test_leftovers_and_failing_groups(tmp_path: Path) -> None:
+    async def main() -> tuple[list[str], str]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            for group in ("done-1", "done-2", "trained"):
+                for n in range(4):
+                    await _episode(store, group, n, "1", float(n % 2))
+            for n in range(3):  # one episode short: still running when the run stopped
+                await _episode(store, "partial", n, "1", 1.0)
+            state = LoopState(step=2, version=1, consumed=["trained"])
+            loop = _loop(tmp_path, store, state)
+            leftovers = await loop.leftovers()
+            for n in range(4):
+                for g in range(3):
+                    await _episode(store, f"bad-{g}", n, "1", None, status="failed")
+            with pytest.raises(TrainError, match="3 groups in a row without one scored episode") as raised:
+                for g in range(3):
+                    await loop.prepare(f"bad-{g}")
+            return leftovers, str(raised.value)
+
+    leftovers, error = asyncio.run(main())
+    assert leftovers == ["done-1", "done-2"]
+    assert "harness crashed" in error
+
+
+def test_config_refuses_unknown_keys(tmp_path: Path) -> None:
+    from harness_adapters.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("run: r\ntasks: t.jsonl\nharness: {type: python, agent: 'a:b'}\ntrain: {steps: 2, stepz: 3}\n")
+    with pytest.raises(ConfigError, match=r"train\.stepz"):
+        load_config(path, TrainConfig)
+    path.write_text(
+        "run: r\ntasks: t.jsonl\nharness: {type: python, agent: 'a:b'}\ntrain: {grpo: {num_generations: 4}}\n"
+    )
+    with pytest.raises(ConfigError, match="num_generations"):
+        load_config(path, TrainConfig)

@@ -1,0 +1,105 @@
+"""Weight hot swap into the real vLLM while clients stream through the proxy, and a reload that
+vLLM refuses. Both leave the shared server serving the prepared default weights (`restore`)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from tests.conftest import RunningProxy, Upstream
+from trainer.swap import SwapError, hot_swap, set_version
+
+PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+@pytest.fixture(scope="module")
+def changed(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default weights with the embeddings scaled: other logprobs, same shapes."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(base / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 1.5
+    out = tmp_path_factory.mktemp("changed")
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(base / "config.json", out / "config.json")
+    return out
+
+
+async def _first_logprob(client: AsyncOpenAI, model: str) -> float:
+    answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=1, temperature=0,
+                                                  logprobs=True)  # fmt: skip
+    return answer.choices[0].logprobs.content[0].logprob  # type: ignore[union-attr,index]
+
+
+def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str, changed: Path, base: Path) -> None:
+    async def main() -> tuple[list[str | BaseException], float, float, float]:
+        await set_version(restore, "0")
+        async with httpx.AsyncClient(base_url=proxy.url) as admin:
+
+            async def announce() -> None:
+                (await admin.post("/admin/policy_version/refresh")).raise_for_status()
+
+            await announce()
+            client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0)
+            before = await _first_logprob(client, vllm.model)
+            first_chunks = asyncio.Semaphore(0)
+
+            async def stream() -> str:
+                text = ""
+                response = await client.chat.completions.create(model=vllm.model, messages=PROMPT, max_tokens=96,
+                                                                temperature=1.0, stream=True)  # fmt: skip
+                async for chunk in response:
+                    if not text:
+                        first_chunks.release()
+                    text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                return text
+
+            streams = [asyncio.create_task(stream()) for _ in range(16)]
+            for _ in range(16):  # every stream has started sampling with the old weights
+                await first_chunks.acquire()
+            paused = await hot_swap([restore], changed, "1", base, announce)
+            results = await asyncio.gather(*streams, return_exceptions=True)
+            after = await _first_logprob(client, vllm.model)
+            return results, before, after, paused
+
+    results, before, after, paused = asyncio.run(main())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, failed
+    assert all(isinstance(r, str) and r for r in results)
+    assert after != pytest.approx(before, abs=1e-3), "the new weights are not serving"
+    assert 0 < paused < 60
+    calls = sorted(proxy.calls(), key=lambda c: c.started_at)
+    assert len(calls) == 18 and all(c.ok for c in calls)
+    streamed = [c for c in calls if c.stream]
+    # Every stream started before the swap and finished after it: both versions recorded.
+    assert all((c.policy_version, c.policy_version_end) == ("0", "1") for c in streamed)
+    assert (calls[0].policy_version, calls[-1].policy_version) == ("0", "1")
+    assert calls[-1].policy_version_end == "1"
+
+
+def test_refused_reload_keeps_old_weights(proxy: RunningProxy, vllm: Upstream, restore: str, base: Path,
+                                         tmp_path: Path) -> None:  # fmt: skip
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"not safetensors at all")
+
+    async def main() -> tuple[float, float, str]:
+        await set_version(restore, "0")
+        client = AsyncOpenAI(base_url=proxy.v1, api_key="refused", max_retries=0)
+        before = await _first_logprob(client, vllm.model)
+        with pytest.raises(SwapError, match="refused the weights"):
+            await hot_swap([restore], broken, "1", base)
+        after = await _first_logprob(client, vllm.model)
+        version = httpx.get(f"{restore}/weight_info").json()["weight_version"]
+        return before, after, version
+
+    before, after, version = asyncio.run(main())
+    assert after == pytest.approx(before, abs=1e-4)  # the old weights serve
+    assert version == "0"
+    with pytest.raises(SwapError, match="no safetensors"):
+        asyncio.run(hot_swap([restore], tmp_path / "missing", "1", base))
