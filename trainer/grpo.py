@@ -21,6 +21,8 @@ policy versions this is the decoupled objective of AReaL.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 import statistics
 from collections.abc import Sequence
@@ -73,6 +75,13 @@ def scale_batch(values: list[float]) -> list[float]:
     """TRL's `scale_rewards="batch"`: advantages divided by the batch's standard deviation."""
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     return [v / (std + 1e-4) for v in values]
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the OS. glibc keeps it in per-thread arenas: a training run on
+    CPU grew from 5 to 20 GB in 12 steps and was killed; with this, a step ends at 2.5 GB."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class Learner:
@@ -206,6 +215,7 @@ class Learner:
         trl.lr_scheduler.step()
         trl.optimizer.zero_grad()
         metrics = {k: statistics.fmean(v) for k, v in trl._metrics["train"].items() if v}
+        release_memory()
         return {
             **metrics,
             "loss": total,
@@ -227,6 +237,7 @@ class Learner:
         if with_optimizer:
             torch.save({"optimizer": self.trl.optimizer.state_dict(), "scheduler": self.trl.lr_scheduler.state_dict()},
                        directory / "optimizer.pt")  # fmt: skip
+        release_memory()
 
     def load_optimizer(self, directory: Path) -> None:
         import torch

@@ -26,9 +26,11 @@ import statistics
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
@@ -40,6 +42,7 @@ from trainer.grpo import Learner, Sample, advantages
 from trainer.swap import SwapError, hot_swap
 
 FAILING_GROUPS = 3
+T = TypeVar("T")
 
 
 class TrainError(RuntimeError):
@@ -113,6 +116,12 @@ class TrainLoop:
         self.started = time.monotonic()
         self.writers: list[Any] = []  # each gets every metrics row: TensorBoard, W&B, the display
         self.failing = 0  # groups in a row without one scored episode
+        # Torch work on one thread of its own: the event loop (rollouts) goes on meanwhile, and
+        # one thread keeps the allocator's memory in one place.
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="learner")
+
+    async def in_learner(self, work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
 
     # Rollouts
 
@@ -243,7 +252,7 @@ class TrainLoop:
         """Save the weights as the next version and swap them into every vLLM; the pause."""
         version = self.state.version + 1
         directory = self.out / "versions" / f"v{version}"
-        await asyncio.to_thread(self.learner.save, directory)
+        await self.in_learner(self.learner.save, directory)
 
         async def announce() -> None:
             await admin.post("/admin/policy_version/refresh")
@@ -299,8 +308,9 @@ class TrainLoop:
                 while self.state.step < self.cfg.steps:
                     await self.step(admin, eval_runner, eval_tasks)
             finally:
-                if producer is not None:
+                if producer is not None:  # with the rollouts it started (their sessions stay unended)
                     producer.cancel()
+                    await asyncio.gather(producer, return_exceptions=True)
         after = await self.evaluate(eval_runner, eval_tasks)
         return {"before": before, "after": after, "seconds": time.monotonic() - self.started, **asdict(self.state)}
 
@@ -308,7 +318,7 @@ class TrainLoop:
         start = time.monotonic()
         batch = await self.batch(admin)
         waited = time.monotonic() - start
-        metrics = await asyncio.to_thread(self.learner.step, batch.samples)
+        metrics = await self.in_learner(self.learner.step, batch.samples)
         trained = time.monotonic() - start - waited
         tokens = sum(s.sequence.sampled_tokens for s in batch.samples)
         processed = sum(len(s.sequence.input_ids) for s in batch.samples)

@@ -5,6 +5,7 @@ leftover groups found after a restart, a run that keeps failing stopped by name.
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -113,3 +114,23 @@ def test_config_refuses_unknown_keys(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="num_generations"):
         load_config(path, TrainConfig)
+
+
+def test_metrics_to_tensorboard_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.loop import plot
+    from trainer.run import _writers
+
+    config = _config(tmp_path, report_to=["tensorboard"])
+    [to_board] = _writers(config)
+    rows = [{"step": 1, "reward": 0.25, "version": 1}, {"step": 2, "reward": 0.75, "version": 2}]
+    for row in rows:
+        to_board(row)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("reward")] == [0.25, 0.75]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in [*rows, {"step": 2, "heldout_success": 0.5}]))
+    assert plot(metrics, tmp_path / "p.png") == tmp_path / "p.png" and (tmp_path / "p.png").stat().st_size > 1000
