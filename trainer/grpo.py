@@ -59,7 +59,7 @@ class Sample:
 def advantages(rewards: Sequence[float], scale: str = "group", baseline: str = "mean") -> list[float]:
     """Group-relative advantages: reward minus the group's mean (or, with `leave_one_out`, the
     mean of the others), divided by the group's standard deviation when `scale` is "group"
-    (TRL's `scale_rewards`; "batch" is applied across groups by the caller)."""
+    (TRL's `scale_rewards`; "batch" is applied across groups by the training loop)."""
     n = len(rewards)
     mean = statistics.fmean(rewards)
     centred = [r - mean for r in rewards]
@@ -69,12 +69,6 @@ def advantages(rewards: Sequence[float], scale: str = "group", baseline: str = "
         std = statistics.stdev(rewards) if n > 1 else 0.0
         centred = [c / (std + 1e-4) for c in centred]
     return centred
-
-
-def scale_batch(values: list[float]) -> list[float]:
-    """TRL's `scale_rewards="batch"`: advantages divided by the batch's standard deviation."""
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return [v / (std + 1e-4) for v in values]
 
 
 def release_memory() -> None:
@@ -100,9 +94,6 @@ class Learner:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
 
-        unknown = set(grpo) - GRPO_KEYS
-        if unknown:
-            raise ValueError(f"grpo: not used by this trainer (its samples come from the store): {sorted(unknown)}")
         cpu = not torch.cuda.is_available()
         args = GRPOConfig(
             output_dir=str(out_dir), report_to=[], save_strategy="no", logging_strategy="no", use_cpu=cpu,

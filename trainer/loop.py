@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
 import statistics
@@ -76,6 +77,14 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(found, key=lambda d: int(d.name[1:]), default=None)
 
 
+def resident_gb() -> float | None:
+    """This process's resident memory (Linux), for the metrics."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def version_number(version: str | None) -> int:
     return int(version) if version is not None and version.isdigit() else 0
 
@@ -104,8 +113,8 @@ class TrainLoop:
         self.roots = vllm_roots
         self.out = config.out_dir
         self.state = state or LoopState()
+        # The weights vLLM serves: loaded back if a swap fails.
         self.weights = base_weights if state is None else self.out / "versions" / f"v{self.state.version}"
-        self.base_weights = base_weights
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
         self.pending: list[str] = []  # groups finished before a restart, taken first
         self.limit = asyncio.Semaphore(config.concurrency)
@@ -336,7 +345,8 @@ class TrainLoop:
             "staleness_mean": statistics.fmean(batch.staleness), "staleness_max": max(batch.staleness),
             "skipped_equal": self.state.skipped_equal, "dropped_stale": self.state.dropped_stale,
             "unscored": self.state.unscored, "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
-            "queue": self.queue.qsize(), **{k.replace("/", "_"): v for k, v in metrics.items()},
+            "queue": self.queue.qsize(), "memory_gb": resident_gb(),
+            **{k.replace("/", "_"): v for k, v in metrics.items()},
         }  # fmt: skip
         self.write(row)
         every = self.config.eval.every if self.config.eval else 0
@@ -357,7 +367,9 @@ def plot(metrics_file: Path, out: Path) -> Path | None:
     if not steps and not evals:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], label="batch reward (mean)", alpha=0.6)
+    ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], label="trained groups' reward", alpha=0.5)
+    rollouts = [r for r in steps if r.get("rollout_reward") is not None]
+    ax.plot([r["step"] for r in rollouts], [r["rollout_reward"] for r in rollouts], label="rollout reward (last 64)")
     ax.plot([r["step"] for r in evals], [r["heldout_success"] for r in evals], "o-", label="held-out success")
     ax.set_xlabel("step")
     ax.set_ylim(-0.05, 1.05)

@@ -64,7 +64,7 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
             bar.console.print(f"held-out success at step {row['step']}: {row['heldout_success']:.0%}")
             return
         line = (f"v{row['version']} reward {row['reward']:.2f} staleness {row['staleness_mean']:.1f} "
-                f"{row['tokens_per_s']:.0f} tok/s skipped {row['skipped_equal']} "
+                f"{row['sequence_tokens_per_s']:.0f} tok/s skipped {row['skipped_equal']} "
                 f"stale {row['dropped_stale']}")  # fmt: skip
         bar.update(job, completed=row["step"], line=line)
         bar.console.print(f"step {row['step']}/{total} {line} (train {row['train_s']:.0f} s, "

@@ -175,6 +175,8 @@ def test_group_advantages() -> None:
     assert advantages([1.0, 0.0, 0.0], scale="none", baseline="leave_one_out") == pytest.approx([1.0, -0.5, -0.5])
 
 
-def test_unknown_grpo_key_is_named(tiny_model: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="num_generations"):
-        Learner(str(tiny_model), tmp_path, {"num_generations": 4}, total_steps=1)
+def test_kl_term_against_the_reference_model(tiny_model: Path, tmp_path: Path) -> None:
+    learner = Learner(str(tiny_model), tmp_path, {"beta": 0.5, "learning_rate": 1e-2}, total_steps=3, micro_batch=2)
+    assert learner.trl.ref_model is not None
+    assert learner.step(_batch())["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy still is the reference
+    assert learner.step(_batch())["kl"] > 1e-4  # one step later it is not
