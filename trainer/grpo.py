@@ -5,7 +5,7 @@ generates inside `_prepare_inputs` and walks an epoch-based dataloader, while he
 arrive from the store while rollouts go on, are filtered by staleness when a step starts, and
 weights are swapped into vLLM between steps. (TRL's own asynchronous trainer needs CUDA and
 FlashAttention.) So the loop is ours, and everything inside a step is TRL's: the model wrapper
-(PEFT, reference model for `beta`, accelerate), the optimizer and scheduler from its
+(reference model for `beta`, accelerate; PEFT/LoRA is not wired in yet), the optimizer and scheduler from its
 `TrainingArguments`, the per-token logprobs at the sampling temperature and `compute_loss`
 for every `loss_type`, importance-sampling level, clipping and KL term, with TRL's metrics.
 
