@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness_adapters.episode import PythonAdapter, load_callable
@@ -47,6 +49,25 @@ def measure(upstream: str, model: str, levels: list[int], per_level: int, work: 
     return rows
 
 
+@contextmanager
+def bench_vllm(upstream: str | None, work: Path, max_model_len: int) -> Iterator[tuple[str, str]]:
+    """(base URL, served model): the running vLLM given, or one launched here (eager mode)."""
+    if upstream:
+        import httpx
+
+        yield upstream, httpx.get(f"{upstream}/models").json()["data"][0]["id"]
+        return
+    from proxy.backend import VllmServer
+    from trainer.model import resolve_model
+
+    path, model = resolve_model("default")
+    print("starting vLLM (eager) ...", flush=True)
+    with VllmServer(path, model, log_file=work / "vllm.log", max_model_len=max_model_len,
+                    extra_args=["--enforce-eager"]) as server:  # fmt: skip
+        server.wait_ready(900)
+        yield server.base_url, model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--upstream", help="a running vLLM (…/v1) instead of launching one")
@@ -54,21 +75,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=12, help="episodes per level (at least 2 x concurrency)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlp-bench-episodes-"))
-    if args.upstream:
-        import httpx
-
-        model = httpx.get(f"{args.upstream}/models").json()["data"][0]["id"]
-        rows = measure(args.upstream, model, args.levels, args.episodes, work)
-    else:
-        from proxy.backend import VllmServer
-        from trainer.model import resolve_model
-
-        path, model = resolve_model("default")
-        print("starting vLLM (eager) ...", flush=True)
-        with VllmServer(path, model, log_file=work / "vllm.log", max_model_len=4096,
-                        extra_args=["--enforce-eager"]) as server:  # fmt: skip
-            server.wait_ready(900)
-            rows = measure(server.base_url, model, args.levels, args.episodes, work)
+    with bench_vllm(args.upstream, work, max_model_len=4096) as (upstream, model):
+        rows = measure(upstream, model, args.levels, args.episodes, work)
     print(f"\nEpisode throughput: the arithmetic example ({model}, vLLM CPU, 2 cores), through rl-proxy\n")
     print("| concurrent episodes | episodes | seconds | episodes/min | model calls/s | success |")
     print("|---:|---:|---:|---:|---:|---:|")

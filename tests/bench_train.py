@@ -15,13 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 from openai import AsyncOpenAI
 
 from harness_adapters.config import load_config
 from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
+from tests.bench_episodes import bench_vllm
 from trainer.config import TrainConfig
 from trainer.model import resolve_model
 from trainer.run import train
@@ -95,18 +95,8 @@ def main() -> None:
             print(f"  {mode} training: done", flush=True)
         return pauses, runs
 
-    if args.upstream:
-        model = httpx.get(f"{args.upstream}/models").json()["data"][0]["id"]
-        pauses, runs = measure(args.upstream, model)
-    else:
-        from proxy.backend import VllmServer
-
-        path, model = resolve_model("default")
-        print("starting vLLM (eager) ...", flush=True)
-        with VllmServer(path, model, log_file=work / "vllm.log", max_model_len=2048,
-                        extra_args=["--enforce-eager"]) as server:  # fmt: skip
-            server.wait_ready(900)
-            pauses, runs = measure(server.base_url, model)
+    with bench_vllm(args.upstream, work, max_model_len=2048) as (upstream, model):
+        pauses, runs = measure(upstream, model)
     print(f"\nHot swap ({model}, vLLM CPU): pause with 8 streams in flight, 5 swaps: "
           f"median {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s\n")  # fmt: skip
     print(f"Training the arithmetic example, {args.steps} steps of 16 episodes, 2 CPU cores:\n")

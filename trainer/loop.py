@@ -94,7 +94,6 @@ class Batch:
     samples: list[Sample]
     rewards: list[float]
     staleness: list[int]
-    groups: int
 
 
 class TrainLoop:
@@ -198,7 +197,7 @@ class TrainLoop:
                 self.state.unscored += 1
                 continue
             calls = [c async for c in self.store.iter_calls(s.id)]
-            report = build_sequences(calls, s, call_rewards=await self.store.call_rewards(s.id))
+            report = build_sequences(calls, s)  # per-call rewards are not used by GRPO here
             sequences = [q for q in report.sequences if q.sampled_tokens]
             if not sequences:
                 self.state.unscored += 1
@@ -253,7 +252,7 @@ class TrainLoop:
         if self.learner.args.scale_rewards == "batch":
             std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
             samples = [Sample(s.sequence, s.advantage / (std + 1e-4)) for s in samples]
-        return Batch(samples, rewards, staleness, groups)
+        return Batch(samples, rewards, staleness)
 
     # Weights
 
