@@ -41,6 +41,11 @@ class Unauthorized(ProxyError):
     code = "invalid_api_key"
 
 
+class Forbidden(ProxyError):
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(ProxyError):
     status = 404
     type = "not_found_error"
@@ -50,6 +55,15 @@ class BodyTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class StoreUnavailable(ProxyError):
+    """The store could not take a write (locked, down): nothing is answered that is not recorded,
+    and a 503 tells clients to retry, which the OpenAI and Anthropic SDKs do by themselves."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "store_unavailable"
 
 
 class UpstreamUnreachable(ProxyError):

@@ -17,13 +17,22 @@ import aiohttp
 import anyio
 import orjson
 from fastapi import Request
+from sqlalchemy.exc import SQLAlchemyError
 
 from proxy.capture import Capture, as_chunks
-from proxy.errors import BadRequest, BodyTooLarge, ProxyError, Unauthorized, UpstreamUnreachable
+from proxy.errors import (
+    BadRequest,
+    BodyTooLarge,
+    Forbidden,
+    ProxyError,
+    StoreUnavailable,
+    Unauthorized,
+    UpstreamUnreachable,
+)
 from proxy.sessions import parse_key, request_key
 from proxy.state import ProxyState
 from recorder import CallRecord, SessionInfo
-from recorder.store import utcnow
+from recorder.store import SessionConflict, utcnow
 
 log = logging.getLogger("rl_proxy.proxy")
 
@@ -58,12 +67,17 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 
 async def session_for(request: Request, state: ProxyState) -> SessionInfo:
     key = request_key(request)
-    found = await state.store.session_by_key(key)
-    if found is not None:
-        return found
-    if not state.settings.create_sessions:
-        raise Unauthorized(f"unknown session key {key[:8]!r}...: create it through the admin API")
-    return await state.store.resolve_session(parse_key(key))
+    try:
+        found = await state.store.session_by_key(key)
+        if found is not None:
+            return found
+        if not state.settings.create_sessions:
+            raise Unauthorized(f"unknown session key {key[:8]!r}...: create it through the admin API")
+        return await state.store.resolve_session(parse_key(key))
+    except SessionConflict as exc:
+        raise Forbidden(f"{exc}: the session belongs to another key") from exc
+    except SQLAlchemyError as exc:
+        raise StoreUnavailable(f"the session could not be read or created: {exc}") from exc
 
 
 @dataclass
@@ -145,7 +159,7 @@ class Call:
         try:
             await self.state.store.record(call)
         except Exception as exc:
-            raise ProxyError(f"the call could not be recorded, so it is not answered: {exc}") from exc
+            raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {exc}") from exc
 
 
 def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -> None:

@@ -3,20 +3,30 @@
 In order of precedence: a `/s/{session}/v1/...` path prefix, an `X-Session-Id` header, the API
 key (`Authorization: Bearer KEY` or `x-api-key: KEY`). A key may carry the session's labels as
 comma-separated `name=value` pairs, for example `run=exp1,task=t7,group=t7-a,id=ep3`: `id` names
-the session (the whole key does when it is absent), `run`, `task` and `group` label it, other
-names go to its metadata. Keys issued by the admin API are opaque and map to their session.
+the session, `run`, `task` and `group` label it, other names go to its metadata. Keys issued by
+the admin API are opaque and map to their session.
+
+A key is a credential, and harnesses often send a real provider key: the store keeps only its
+digest, and a key without `id=` names its session only when it is a short plain name (`ep-3`,
+`run=exp1,task=t7`); a long key or one shaped like an API key (`sk-...`) gets the session id
+`key-<16 hex of its SHA-256>` instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 from urllib.parse import unquote
 
 from starlette.requests import Request
 
+from proxy.errors import BadRequest
 from recorder import SessionInfo
 
 DEFAULT_SESSION = "default"
 LABELS = {"run": "run", "task": "task_id", "group": "group_id"}
+SECRET_PREFIXES = ("sk-", "sk_", "rlp-", "rk-", "pk-", "xai-", "gsk_", "hf_", "AIza", "ghp_", "github_pat_")
+MAX_NAMING_KEY = 48  # provider keys are longer (OpenAI's 51 and more, Anthropic's about 108)
+MAX_LABEL = 256  # the store's column width
 
 
 def request_key(request: Request) -> str:
@@ -37,15 +47,18 @@ def request_key(request: Request) -> str:
 
 def parse_key(key: str) -> SessionInfo:
     """A new session's id and labels as encoded in its key (see the module docstring)."""
+    opaque = SessionInfo(id=session_id_of(key), key=key)
     if "=" not in key:
-        return SessionInfo(id=key, key=key)
+        return opaque
     fields: dict[str, str] = {}
     metadata: dict[str, str] = {}
     for part in key.split(","):
         name, sep, value = part.partition("=")
         name, value = name.strip(), value.strip()
         if not sep or not name:
-            return SessionInfo(id=key, key=key)
+            return opaque
+        if len(value) > MAX_LABEL:
+            raise BadRequest(f"session key label {name[:32]!r} is over {MAX_LABEL} characters")
         if name == "id":
             fields["id"] = value
         elif name in LABELS:
@@ -53,10 +66,17 @@ def parse_key(key: str) -> SessionInfo:
         else:
             metadata[name] = value
     return SessionInfo(
-        id=fields.pop("id", key),
+        id=fields.pop("id", None) or opaque.id,
         key=key,
         run=fields.get("run"),
         task_id=fields.get("task_id"),
         group_id=fields.get("group_id"),
         metadata=metadata,
     )
+
+
+def session_id_of(key: str) -> str:
+    """The id of a session named by its whole key: the key itself only if it is safe to keep."""
+    if len(key) <= MAX_NAMING_KEY and not key.startswith(SECRET_PREFIXES):
+        return key
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]

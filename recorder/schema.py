@@ -8,27 +8,43 @@ an older one is brought up to date by the statements in `MIGRATIONS` when it is 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Connection, ForeignKey, LargeBinary, String, Text, UniqueConstraint, text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
-# From version N to N + 1: plain SQL that SQLite and PostgreSQL both run.
-MIGRATIONS: dict[int, list[str]] = {
+# From version N to N + 1: plain SQL that SQLite and PostgreSQL both run, or, where SQL cannot
+# say it (hashing), a function given the connection.
+MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
     1: ["ALTER TABLE rewards ADD COLUMN call_seq INTEGER"],  # per-call rewards
     2: ["ALTER TABLE calls ADD COLUMN rewrites JSON"],  # model aliases and caps applied to a call
     3: [  # Responses API ids, for previous_response_id
         "ALTER TABLE calls ADD COLUMN response_id VARCHAR(64)",
         "CREATE INDEX ix_calls_response_id ON calls (response_id)",
     ],
+    4: [lambda conn: _hash_session_keys(conn)],  # keys are credentials: only their digests kept
 }
+
+
+def key_digest(key: str) -> str:
+    """What the store keeps of a session key: its SHA-256. A key is a credential (an admin-issued
+    key, or whatever API key a harness sends, a real provider key included) and is never stored."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _hash_session_keys(conn: Connection) -> None:
+    for session_id, key in conn.execute(text("SELECT id, key FROM sessions")).all():
+        if not key.startswith("sha256:"):
+            conn.execute(text("UPDATE sessions SET key = :k WHERE id = :i"), {"k": key_digest(key), "i": session_id})
 
 
 def pack(values: list[int] | list[float], typecode: str) -> bytes:
@@ -78,7 +94,7 @@ class SchemaVersionRow(Base):
 class SessionRow(Base):
     __tablename__ = "sessions"
     id: Mapped[str] = mapped_column(String(256), primary_key=True)
-    key: Mapped[str] = mapped_column(String(512), unique=True)
+    key: Mapped[str] = mapped_column(String(512), unique=True)  # key_digest(key), never the key
     run: Mapped[str | None] = mapped_column(String(256), index=True)
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     group_id: Mapped[str | None] = mapped_column(String(256), index=True)

@@ -36,6 +36,7 @@ from recorder.schema import (
     RewardRow,
     SchemaVersionRow,
     SessionRow,
+    key_digest,
 )
 
 log = logging.getLogger("rl_proxy.recorder")
@@ -95,8 +96,28 @@ def _session_info(row: SessionRow, reward: float | None = None, calls: int = 0) 
     )
 
 
+def _number_calls(conn: Connection, calls: list[CallRecord]) -> list[CallRecord]:
+    """Calls numbered after what the database already holds of their sessions. One proxy numbers
+    its calls itself and nothing changes; when several proxies serve one session (behind a load
+    balancer), a number another one took first moves the call to the end of the session."""
+    sessions = {c.session_id for c in calls}
+    last = dict(
+        conn.execute(
+            select(CallRow.session_id, func.max(CallRow.seq))
+            .where(CallRow.session_id.in_(sessions))
+            .group_by(CallRow.session_id)
+        ).all()
+    )
+    numbered = []
+    for call in calls:
+        seq = max(call.seq, last.get(call.session_id, 0) + 1)
+        last[call.session_id] = seq
+        numbered.append(call if seq == call.seq else replace(call, seq=seq))
+    return numbered
+
+
 def _insert_calls(conn: Connection, calls: list[CallRecord]) -> None:
-    """Bulk-insert calls and their completions: two statements for a whole batch."""
+    """Bulk-insert calls and their completions: three statements for a whole batch."""
     ids = (
         conn.execute(
             insert(CallRow).returning(CallRow.id, sort_by_parameter_order=True),
@@ -132,14 +153,15 @@ def _call_record(row: Any, completions: list[Completion]) -> CallRecord:
 class Store:
     """Sessions, calls and rewards in one SQL database. Use as `async with Store(url) as store`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, busy_timeout: float = 30.0) -> None:
+        """`busy_timeout`: seconds a SQLite write waits for another writer's lock before it fails."""
         self.url = async_url(url)
         options: dict[str, Any] = {
             "json_serializer": lambda obj: orjson.dumps(obj).decode(),
             "json_deserializer": orjson.loads,
         }
         if self.url.startswith("sqlite"):
-            options["connect_args"] = {"timeout": 30}
+            options["connect_args"] = {"timeout": busy_timeout}
         self.engine = create_async_engine(self.url, **options)
         self.write_engine = create_engine(sync_url(self.url), pool_size=1, **options)
         if self.engine.dialect.name == "sqlite":
@@ -178,8 +200,8 @@ class Store:
                 )
             for version in range(found or SCHEMA_VERSION, SCHEMA_VERSION):
                 log.info("migrating %s from schema version %d", self.url, version)
-                for statement in MIGRATIONS[version]:
-                    await conn.execute(text(statement))
+                for step in MIGRATIONS[version]:
+                    await (conn.execute(text(step)) if isinstance(step, str) else conn.run_sync(step))
             if found != SCHEMA_VERSION:
                 await conn.execute(delete(SchemaVersionRow))
                 await conn.execute(insert(SchemaVersionRow).values(version=SCHEMA_VERSION))
@@ -230,13 +252,22 @@ class Store:
         if self._write_conn is None:
             self._write_conn = self.write_engine.connect()
         conn = self._write_conn
-        with conn.begin():
-            for write in writes:  # sessions before calls: a call's session must exist
-                if not isinstance(write, CallRecord):
-                    write(conn)
-            calls = [w for w in writes if isinstance(w, CallRecord)]
-            if calls:
-                _insert_calls(conn, calls)
+        try:
+            with conn.begin():
+                for write in writes:  # sessions before calls: a call's session must exist
+                    if not isinstance(write, CallRecord):
+                        write(conn)
+                calls = [w for w in writes if isinstance(w, CallRecord)]
+                if calls:
+                    calls = _number_calls(conn, calls)
+                    _insert_calls(conn, calls)
+        except Exception:
+            if conn.invalidated:  # the server went away: the next batch connects again
+                conn.close()
+                self._write_conn = None
+            raise
+        for call in calls:  # numbering continues after a call another proxy moved
+            self._seq[call.session_id] = max(self._seq.get(call.session_id, 0), call.seq)
 
     async def _commit(self, batch: list[tuple[Write, asyncio.Future[None]]]) -> None:
         loop = asyncio.get_running_loop()
@@ -266,24 +297,27 @@ class Store:
     # -- sessions ------------------------------------------------------------------------
 
     async def session_by_key(self, key: str) -> SessionInfo | None:
-        cached = self._by_key.get(key)
+        digest = key_digest(key)
+        cached = self._by_key.get(digest)
         if cached is not None:
             return cached
         async with self._sessions() as s:
-            row = await s.scalar(select(SessionRow).where(SessionRow.key == key))
+            row = await s.scalar(select(SessionRow).where(SessionRow.key == digest))
             if row is None:
                 return None
             last = await s.scalar(select(func.max(CallRow.seq)).where(CallRow.session_id == row.id))
         info = _session_info(row)
-        self._seq.setdefault(info.id, last or 0)
-        self._by_key[key] = info
+        self._seq[info.id] = max(self._seq.get(info.id, 0), last or 0)
+        self._by_key[digest] = info
         return info
 
     async def create_session(self, info: SessionInfo) -> SessionInfo:
-        """Create a session (durably). Raises SessionConflict if its id or key is taken."""
+        """Create a session (durably). Raises SessionConflict if its id or key is taken. The
+        store keeps only the key's digest; the session returned still carries the key."""
+        digest = key_digest(info.key)
         async with self._session_lock:
-            if info.key in self._by_key or await self.session_by_key(info.key):
-                raise SessionConflict(f"session key {info.key!r} is already in use")
+            if digest in self._by_key or await self.session_by_key(info.key):
+                raise SessionConflict("this session key is already in use")
             async with self._sessions() as s:
                 taken = await s.scalar(select(SessionRow.id).where(SessionRow.id == info.id))
             if taken is not None:
@@ -291,7 +325,7 @@ class Store:
             created = replace(info, status="active", created_at=utcnow(), reward=None, calls=0)
             values = {
                 "id": info.id,
-                "key": info.key,
+                "key": digest,
                 "run": info.run,
                 "task_id": info.task_id,
                 "group_id": info.group_id,
@@ -300,7 +334,7 @@ class Store:
                 "created_at": created.created_at,
             }
             await self.submit(lambda conn: conn.execute(insert(SessionRow).values(values)))
-            self._by_key[info.key] = created
+            self._by_key[digest] = replace(created, key=digest)
             self._seq[created.id] = 0
             return created
 

@@ -1,25 +1,31 @@
-"""Shared fixtures: the real vLLM CPU server (once per test run) and proxies on free ports.
+"""Shared fixtures: the real vLLM CPU server and a throwaway PostgreSQL server (each once per
+test run), proxies on free ports, and a fresh database of either kind per test.
 
-Set RLP_TEST_UPSTREAM=http://127.0.0.1:PORT/v1 to reuse a vLLM that is already running.
+Set RLP_TEST_UPSTREAM=http://127.0.0.1:PORT/v1 to reuse a vLLM that is already running, and
+RLP_TEST_POSTGRES=postgresql://... to reuse a PostgreSQL server (see tests/postgres.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from proxy.app import create_app
 from proxy.backend import VllmServer
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import CallRecord, SessionInfo, Store
+from tests.postgres import postgres_bin, temp_postgres
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,33 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     with VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=["--enforce-eager"]) as server:
         server.wait_ready(900)
         yield Upstream(server.base_url, name, 8192)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[str]:
+    """A PostgreSQL server's URL; skipped where PostgreSQL is not installed, unless required."""
+    if postgres_bin() is None and not os.environ.get("RLP_TEST_POSTGRES"):
+        if os.environ.get("RLP_REQUIRE_POSTGRES"):
+            pytest.fail("PostgreSQL is required (RLP_REQUIRE_POSTGRES) but not installed")
+        pytest.skip("PostgreSQL is not installed")
+    with temp_postgres() as url:
+        yield url
+
+
+def new_database(server: str) -> str:
+    """A new, empty database on the server: each test starts from nothing, as with SQLite."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return make_url(server).set(database=name).render_as_string(hide_password=False)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store URL: a SQLite file, then a PostgreSQL database (the same test runs on both)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store.db")
+    return new_database(request.getfixturevalue("postgres"))
 
 
 @dataclass

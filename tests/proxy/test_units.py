@@ -6,9 +6,12 @@ from proxy.capture import Capture, client_view
 from proxy.sessions import parse_key
 
 
-def test_plain_key_names_the_session() -> None:
-    info = parse_key("sk-abc")
-    assert (info.id, info.key, info.run, info.metadata) == ("sk-abc", "sk-abc", None, {})
+def test_plain_key_names_the_session_but_a_secret_one_does_not() -> None:
+    info = parse_key("ep-3")
+    assert (info.id, info.key, info.run, info.metadata) == ("ep-3", "ep-3", None, {})
+    for secret in ("sk-abc", "sk-ant-api03-" + "x" * 90, "x" * 49):
+        assert parse_key(secret).id.startswith("key-") and secret not in parse_key(secret).id
+    assert parse_key("sk-abc").id == parse_key("sk-abc").id != parse_key("sk-abd").id
 
 
 def test_labelled_key() -> None:

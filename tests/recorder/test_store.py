@@ -1,18 +1,20 @@
-"""The store on a temporary SQLite file, with hand-built records."""
+"""The store on a temporary SQLite file and a PostgreSQL database, with hand-built records."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import orjson
 import pytest
+from sqlalchemy import text
 
 from recorder import CallRecord, Completion, SessionInfo, Store
 from recorder.export import export
-from recorder.schema import pack, unpack
+from recorder.schema import key_digest, pack, unpack
 from recorder.store import SchemaMismatch, SessionConflict, async_url, utcnow
 
 
@@ -41,11 +43,10 @@ def test_async_url_accepts_paths_and_sync_drivers(tmp_path: Path) -> None:
     assert async_url("postgresql://u:p@h/db") == "postgresql+asyncpg://u:p@h/db"
 
 
-async def test_calls_sessions_and_rewards_round_trip(tmp_path: Path) -> None:
-    db = str(tmp_path / "s.db")
+async def test_calls_sessions_and_rewards_round_trip(db: str) -> None:
     async with Store(db) as store:
         info = await store.resolve_session(SessionInfo(id="a", key="key-a", run="r", task_id="t"))
-        assert await store.resolve_session(SessionInfo(id="a", key="key-a")) == info
+        assert await store.resolve_session(SessionInfo(id="b", key="key-a")) == replace(info, key=key_digest("key-a"))
         await asyncio.gather(*(store.record(call("a", store.next_seq("a"), [i, i + 1])) for i in range(40)))
         await store.add_reward("a", 1.0, "verifier")
         await store.add_reward("a", -0.25, "judge")
@@ -63,27 +64,48 @@ async def test_calls_sessions_and_rewards_round_trip(tmp_path: Path) -> None:
         assert store.next_seq("a") == 41
 
 
-async def test_one_bad_write_loses_no_other(tmp_path: Path) -> None:
-    async with Store(str(tmp_path / "s.db")) as store:
+async def test_one_bad_write_loses_no_other(db: str) -> None:
+    async with Store(db) as store:
         await store.resolve_session(SessionInfo(id="a", key="a"))
         good = [store.record_nowait(call("a", i, [i])) for i in range(1, 4)]
         orphan = store.record_nowait(call("no-such-session", 1, [9]))  # foreign key fails
-        dup = store.record_nowait(call("a", 2, [9]))  # (session, seq) taken
         await asyncio.gather(*good)
-        for bad in (orphan, dup):
-            with pytest.raises(Exception, match=r"(?i)constraint"):
-                await bad
-        assert store.write_failures == 2
+        with pytest.raises(Exception, match=r"(?i)foreign key"):
+            await orphan
+        assert store.write_failures == 1
         assert [c.completions[0].token_ids async for c in store.iter_calls()] == [[1], [2], [3]]
 
 
-async def test_session_conflicts_are_named(tmp_path: Path) -> None:
-    async with Store(str(tmp_path / "s.db")) as store:
-        await store.create_session(SessionInfo(id="a", key="k1"))
+async def test_session_conflicts_are_named_and_keys_never_stored(db: str) -> None:
+    async with Store(db) as store:
+        created = await store.create_session(SessionInfo(id="a", key="sk-real-provider-key"))
+        assert created.key == "sk-real-provider-key"  # the admin API shows it once
         with pytest.raises(SessionConflict, match="id 'a'"):
             await store.create_session(SessionInfo(id="a", key="k2"))
-        with pytest.raises(SessionConflict, match="key 'k1'"):
-            await store.create_session(SessionInfo(id="b", key="k1"))
+        with pytest.raises(SessionConflict, match="key is already in use"):
+            await store.create_session(SessionInfo(id="b", key="sk-real-provider-key"))
+    async with Store(db) as store:  # found again by its key, which is nowhere in the database
+        found = await store.session_by_key("sk-real-provider-key")
+        assert found is not None and found.id == "a" and found.key.startswith("sha256:")
+        async with store.engine.connect() as conn:
+            rows = (await conn.execute(text("SELECT * FROM sessions"))).all()
+        assert "sk-real-provider-key" not in repr(rows)
+
+
+async def test_two_stores_on_one_session_number_calls_without_collisions(db: str) -> None:
+    """Two proxies serving one session (round robin behind a load balancer): each numbers calls
+    from what it knew, and a number the other took first moves the call to the session's end."""
+    async with Store(db) as one, Store(db) as two:
+        await one.resolve_session(SessionInfo(id="a", key="a"))
+        await two.resolve_session(SessionInfo(id="a", key="a"))
+        for turn in range(6):
+            store = (one, two)[turn % 2]
+            await store.record(call("a", store.next_seq("a"), [turn]))
+        both = [store.record(call("a", store.next_seq("a"), [9])) for store in (one, two) for _ in range(10)]
+        await asyncio.gather(*both)
+        calls = [c async for c in one.iter_calls("a")]
+    assert [c.seq for c in calls] == list(range(1, 27))
+    assert [c.completions[0].token_ids for c in calls[:6]] == [[t] for t in range(6)]
 
 
 async def test_token_arrays_are_stored_packed(tmp_path: Path) -> None:
@@ -106,9 +128,9 @@ async def test_newer_schema_is_refused(tmp_path: Path) -> None:
             pass
 
 
-async def test_export_jsonl_has_the_documented_fields(tmp_path: Path) -> None:
+async def test_export_jsonl_has_the_documented_fields(db: str, tmp_path: Path) -> None:
     out = tmp_path / "calls.jsonl"
-    async with Store(str(tmp_path / "s.db")) as store:
+    async with Store(db) as store:
         await store.resolve_session(SessionInfo(id="a", key="a"))
         for i in range(1, 4):
             await store.record(call("a", i, [i, 2]))
@@ -124,7 +146,7 @@ async def test_export_jsonl_has_the_documented_fields(tmp_path: Path) -> None:
     assert first["request"]["messages"][0]["content"] == "a/1"
 
 
-async def test_an_older_store_is_migrated_and_per_call_rewards_kept_apart(tmp_path: Path) -> None:
+async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_kept_apart(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     async with Store(str(db)) as store:
         await store.resolve_session(SessionInfo(id="a", key="a"))
@@ -136,13 +158,16 @@ async def test_an_older_store_is_migrated_and_per_call_rewards_kept_apart(tmp_pa
         conn.execute("drop index ix_calls_response_id")
         conn.execute("alter table calls drop column response_id")
         conn.execute("update schema_version set version = 1")
+        conn.execute("update sessions set key = 'a'")  # keys were stored as sent
     async with Store(str(db)) as store:
+        assert (await store.session_by_key("a")) is not None
         await store.add_reward("a", 0.5, "judge", call_seq=1)
         await store.add_reward("a", 0.25, "judge", call_seq=1)
         [session] = await store.list_sessions()
         assert session.reward == 1.0 and session.calls == 1
         assert await store.call_rewards("a") == {1: 0.75}
     with sqlite3.connect(db) as conn:
-        assert conn.execute("select version from schema_version").fetchall() == [(4,)]
+        assert conn.execute("select version from schema_version").fetchall() == [(5,)]
+        assert conn.execute("select key from sessions").fetchall() == [(key_digest("a"),)]
         assert conn.execute("select rewrites, response_id from calls").fetchall() == [(None, None)]
         assert conn.execute("select name from sqlite_master where name = 'ix_calls_response_id'").fetchall()
