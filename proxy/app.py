@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,8 +10,10 @@ from fastapi import FastAPI
 
 from proxy.admin import admin, ops
 from proxy.anthropic import router as anthropic_router
+from proxy.anthropic import to_chat
 from proxy.errors import install_handlers
 from proxy.openai_api import router
+from proxy.responses import _config, _event_stream
 from proxy.responses import router as responses_router
 from proxy.settings import Settings
 from proxy.state import ProxyState
@@ -33,6 +36,7 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.open()
+        await asyncio.to_thread(warm_translators)
         await upstream.refresh_models()
         upstream.start_version_polling(settings.version_poll_interval)
         try:
@@ -51,3 +55,11 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
     app.include_router(admin)
     app.include_router(ops)
     return app
+
+
+def warm_translators() -> None:
+    """Import litellm's translators before serving: imported on the first Messages or Responses
+    call they held up every call in flight for about 3 s (the import runs on the event loop)."""
+    to_chat({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    _config()
+    _event_stream()

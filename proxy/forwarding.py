@@ -77,7 +77,12 @@ async def session_for(request: Request, state: ProxyState) -> SessionInfo:
     except SessionConflict as exc:
         raise Forbidden(f"{exc}: the session belongs to another key") from exc
     except SQLAlchemyError as exc:
-        raise StoreUnavailable(f"the session could not be read or created: {exc}") from exc
+        raise StoreUnavailable(f"the session could not be read or created: {_reason(exc)}") from exc
+
+
+def _reason(exc: Exception) -> str:
+    """The database's own words, without SQLAlchemy's copy of the statement and the recorded call."""
+    return str(getattr(exc, "orig", None) or exc)
 
 
 @dataclass
@@ -159,7 +164,7 @@ class Call:
         try:
             await self.state.store.record(call)
         except Exception as exc:
-            raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {exc}") from exc
+            raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {_reason(exc)}") from exc
 
 
 def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -> None:

@@ -97,22 +97,26 @@ def _session_info(row: SessionRow, reward: float | None = None, calls: int = 0) 
 
 
 def _number_calls(conn: Connection, calls: list[CallRecord]) -> list[CallRecord]:
-    """Calls numbered after what the database already holds of their sessions. One proxy numbers
-    its calls itself and nothing changes; when several proxies serve one session (behind a load
-    balancer), a number another one took first moves the call to the end of the session."""
-    sessions = {c.session_id for c in calls}
-    last = dict(
-        conn.execute(
-            select(CallRow.session_id, func.max(CallRow.seq))
-            .where(CallRow.session_id.in_(sessions))
-            .group_by(CallRow.session_id)
-        ).all()
-    )
+    """Calls numbered so that none takes a number already in the database. One proxy numbers
+    its calls itself and nothing changes (concurrent calls may commit out of order). When several
+    proxies serve one session (round robin behind a load balancer), a call whose number another
+    one took first moves to the end of the session."""
+    sessions, seqs = {c.session_id for c in calls}, {c.seq for c in calls}
+    where = CallRow.session_id.in_(sessions), CallRow.seq.in_(seqs)
+    taken = set(conn.execute(select(CallRow.session_id, CallRow.seq).where(*where)).tuples())
+    if not taken:
+        return calls
+    last_query = select(CallRow.session_id, func.max(CallRow.seq)).where(where[0]).group_by(CallRow.session_id)
+    last = dict(conn.execute(last_query).tuples().all())
+    for call in calls:
+        last[call.session_id] = max(last.get(call.session_id, 0), call.seq)
     numbered = []
     for call in calls:
-        seq = max(call.seq, last.get(call.session_id, 0) + 1)
-        last[call.session_id] = seq
-        numbered.append(call if seq == call.seq else replace(call, seq=seq))
+        if (call.session_id, call.seq) in taken:
+            last[call.session_id] += 1
+            call = replace(call, seq=last[call.session_id])
+        taken.add((call.session_id, call.seq))
+        numbered.append(call)
     return numbered
 
 

@@ -39,11 +39,13 @@ def stub_app(
     token_delay: float = 0.0,
     drop_token_ids_at: int | None = None,
     break_at: int | None = None,
+    die_at: int | None = None,
     answer: str = "stub answer",
     provider_key: str | None = None,
 ) -> FastAPI:
     """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
-    the stream sends a malformed event and ends, without `[DONE]`. With `provider_key` it acts as
+    the stream sends a malformed event and ends, without `[DONE]`; at `die_at` the server fails
+    mid-stream and the connection is cut, as when the upstream dies. With `provider_key` it acts as
     a provider other than vLLM: it wants that key, refuses vLLM's `return_token_ids` (400, as
     OpenAI does) and answers without token ids or logprobs."""
     app = FastAPI()
@@ -78,6 +80,8 @@ def stub_app(
                 if i == break_at:
                     yield b'data: {"choices": [{"delta": \n\n'
                     return
+                if i == die_at:
+                    raise ConnectionAbortedError("stub upstream dies mid-stream (fault injection)")
                 finish = "stop" if i == len(COMPLETION) - 1 else None
                 chunk["choices"] = [_choice(True, 0, f"t{token} ", [token], finish)]
                 if i == drop_token_ids_at or provider_key is not None:

@@ -170,6 +170,7 @@ def test_after_a_stream_lost_token_ids_streams_are_served_from_whole_answers(mak
         assert len(call.completions[0].logprobs) == 8 and call.prompt_token_ids
 
 
+@pytest.mark.parametrize("fault", ["break_at", "die_at"])
 @pytest.mark.parametrize(
     "path, body, last_event",
     [
@@ -178,11 +179,12 @@ def test_after_a_stream_lost_token_ids_streams_are_served_from_whole_answers(mak
         ("/responses", {"input": "Hi"}, '"type":"response.failed"'),
     ],
 )
-def test_a_malformed_upstream_stream_ends_with_an_error_event_and_a_failed_record(
-    make_proxy: Any, path: str, body: dict[str, Any], last_event: str
+def test_a_broken_upstream_stream_ends_with_an_error_event_and_a_failed_record(
+    make_proxy: Any, path: str, body: dict[str, Any], last_event: str, fault: str
 ) -> None:
-    """Every API: the stream breaks after three tokens with a malformed event (stub upstream)."""
-    with AppThread(stub_app(break_at=3)) as faulty:
+    """Every API: after three tokens the stream breaks with a malformed event, or the upstream
+    dies and cuts the connection (stub upstream)."""
+    with AppThread(stub_app(**{fault: 3})) as faulty:
         proxy = make_proxy(f"{faulty.url}/v1")
         request = {"model": MODEL, "stream": True, **body}
         events = httpx.post(f"{proxy.v1}{path}", json=request, headers={"x-api-key": "s-broken"}).text.strip()
