@@ -66,7 +66,7 @@ def parse_key(key: str) -> SessionInfo:
         else:
             metadata[name] = value
     return SessionInfo(
-        id=fields.pop("id", None) or opaque.id,
+        id=fields.get("id") or opaque.id,
         key=key,
         run=fields.get("run"),
         task_id=fields.get("task_id"),
