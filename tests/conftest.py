@@ -115,11 +115,12 @@ def read_store(db: str, work: Any) -> Any:
 
 @pytest.fixture
 def make_proxy(tmp_path: Path) -> Iterator[Any]:
-    """Start proxies on free ports with a fresh SQLite file; stopped after the test."""
+    """Start proxies on free ports, each with a fresh SQLite file unless given `db`; stopped
+    after the test."""
     running: list[AppThread] = []
 
     def start(upstream: str, **overrides: Any) -> RunningProxy:
-        db = str(tmp_path / f"calls-{len(running)}.db")
+        db = overrides.pop("db", None) or str(tmp_path / f"calls-{len(running)}.db")
         settings = Settings(upstream=upstream, db=db, **overrides)
         thread = AppThread(create_app(settings)).__enter__()
         running.append(thread)

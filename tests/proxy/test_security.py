@@ -1,0 +1,106 @@
+"""Security with a stub upstream (NOT vLLM): sessions cannot reach each other's data, and no
+credential a client or the operator sends ends up in the store. vLLM's development routes are
+tested against the real server in test_dev_routes.py; the admin token in test_admin.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from sqlalchemy import create_engine, inspect, text
+
+from proxy.server import AppThread
+from proxy.settings import Settings
+from recorder.store import sync_url
+from tests.stub_upstream import MODEL, stub_app
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    with AppThread(stub_app()) as server:
+        yield f"{server.url}/v1"
+
+
+def test_a_session_cannot_read_or_write_another_sessions_data(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub)
+    owner = httpx.post(f"{proxy.url}/admin/sessions", json={"id": "victim"}).json()
+    mine = OpenAI(base_url=proxy.v1, api_key=owner["key"], max_retries=0)
+    answer = mine.responses.create(model=MODEL, input="a secret plan")
+    assert mine.responses.retrieve(answer.id).id == answer.id  # its own session can
+
+    intruder = {"x-api-key": "intruder"}
+    got = httpx.get(f"{proxy.v1}/responses/{answer.id}", headers=intruder)
+    assert got.status_code == 404 and "a secret plan" not in got.text
+    chained = httpx.post(f"{proxy.v1}/responses", headers=intruder,
+                         json={"model": MODEL, "input": "go on", "previous_response_id": answer.id})  # fmt: skip
+    assert chained.status_code == 400 and "not found" in chained.json()["error"]["message"]
+    # Naming the victim's id in a key, a header or the path is a different key: refused.
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 4}
+    for attempt in (
+        httpx.post(f"{proxy.v1}/chat/completions", headers={"x-api-key": "id=victim"}, json=chat),
+        httpx.post(f"{proxy.v1}/chat/completions", headers={"x-session-id": "victim"}, json=chat),
+        httpx.post(f"{proxy.url}/s/victim/v1/chat/completions", json=chat),
+        httpx.post(f"{proxy.url}/s/victim/v1/messages", json=chat),
+    ):
+        assert attempt.status_code == 403 and "Traceback" not in attempt.text
+        assert "another key" in attempt.text
+    assert [c.seq for c in proxy.calls("victim")] == [1]  # nothing was added to it
+    # Sessions only the admin API creates: an unknown key is refused outright.
+    closed = make_proxy(stub, create_sessions=False)
+    refused = httpx.post(f"{closed.v1}/chat/completions", headers=intruder, json={"model": MODEL, "messages": HI})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+
+
+def test_admin_keys_are_unguessable(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub)
+    keys = [httpx.post(f"{proxy.url}/admin/sessions", json={"id": f"s{i}"}).json()["key"] for i in range(50)]
+    assert len(set(keys)) == 50
+    for key in keys:  # "rlp-" and 24 random bytes (192 bits) from the secrets module
+        assert key.startswith("rlp-") and len(key) == 4 + 32
+    assert len({key[4:8] for key in keys}) > 40  # no shared prefix or counter
+
+
+def dump(db: str) -> str:
+    """Every row of every table, as text, and for SQLite the raw bytes of the files too."""
+    engine = create_engine(sync_url(db))
+    with engine.connect() as conn:
+        rows = [repr(conn.execute(text(f"SELECT * FROM {t}")).all()) for t in inspect(conn).get_table_names()]
+    engine.dispose()
+    raw = b"".join(p.read_bytes() for p in Path(db).parent.glob(Path(db).name + "*")) if "://" not in db else b""
+    return "\n".join(rows) + raw.decode("latin-1")
+
+
+def test_credentials_in_headers_are_never_stored(make_proxy: Any, db: str) -> None:
+    """The API key a harness sends (often a real provider key) and the upstream's own key: the
+    store keeps neither, in SQLite (rows and raw file) and in PostgreSQL."""
+    openai_key = "sk-proj-" + "A1b2C3d4" * 12
+    anthropic_key = "sk-ant-api03-" + "Z9y8X7w6" * 11
+    upstream_key = "sk-upstream-" + "Q5r6S7t8" * 6
+    with AppThread(stub_app(provider_key=upstream_key)) as provider:
+        proxy = make_proxy(f"{provider.url}/v1", db=db, upstream_token_ids=False, upstream_api_key=upstream_key)
+        OpenAI(base_url=proxy.v1, api_key=openai_key, max_retries=0).chat.completions.create(model=MODEL, messages=HI)
+        messages = httpx.post(f"{proxy.v1}/messages", headers={"x-api-key": anthropic_key},
+                              json={"model": MODEL, "messages": HI, "max_tokens": 4})  # fmt: skip
+        assert messages.status_code == 200
+        again = httpx.post(f"{proxy.v1}/chat/completions", headers={"Authorization": f"Bearer {openai_key}"},
+                           json={"model": MODEL, "messages": HI})  # fmt: skip
+        assert again.status_code == 200
+    sessions = proxy.sessions()
+    assert len(sessions) == 2 and sorted(s.calls for s in sessions) == [1, 2]  # one key, one session
+    stored = dump(db)
+    assert "chat.completions" in stored and "anthropic.messages" in stored  # the dump does see the calls
+    for secret in (openai_key, anthropic_key, upstream_key):
+        assert secret not in stored and secret[-24:] not in stored
+
+
+def test_settings_default_to_loopback_and_a_body_limit() -> None:
+    settings = Settings(upstream="http://127.0.0.1:1/v1")
+    assert settings.host == "127.0.0.1" and settings.admin_open
+    assert settings.max_body_bytes == 32 * 1024 * 1024
+    assert not Settings(upstream="http://x/v1", host="0.0.0.0").admin_open
