@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 import secrets
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel, Field, field_validator
+import orjson
+from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 from proxy.errors import NotFound, ProxyError, Unauthorized
 from proxy.state import ProxyState
@@ -19,18 +20,31 @@ from recorder import SessionInfo
 from recorder.store import SessionConflict
 
 
+def _storable(value: dict[str, Any]) -> dict[str, Any]:
+    try:  # the store's own JSON encoder: integers past 64 bits, for one, it cannot write
+        orjson.dumps(value)
+    except TypeError as exc:
+        raise ValueError(f"cannot be stored as JSON: {exc}") from exc
+    return value
+
+
+# What the store's columns hold: 256 characters, and no NUL (PostgreSQL text refuses it).
+Label = Annotated[str, Field(max_length=256, pattern=r"^[^\x00]*$")]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_storable)]
+
+
 class SessionCreate(BaseModel):
-    id: str | None = Field(None, max_length=256)
-    run: str | None = Field(None, max_length=256)
-    task_id: str | None = Field(None, max_length=256)
-    group_id: str | None = Field(None, max_length=256)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    id: Label | None = None
+    run: Label | None = None
+    task_id: Label | None = None
+    group_id: Label | None = None
+    metadata: JsonObject = Field(default_factory=dict)
 
 
 class RewardIn(BaseModel):
     value: float
-    source: str = Field("admin", max_length=64)
-    seq: int | None = Field(None, ge=1, description="reward one call (its number in the session) only")
+    source: str = Field("admin", max_length=64, pattern=r"^[^\x00]*$")
+    seq: int | None = Field(None, ge=1, le=2**31 - 1, description="reward one call (its number in the session) only")
 
     @field_validator("value")
     @classmethod
@@ -103,7 +117,9 @@ async def create_session(body: SessionCreate, request: Request) -> dict[str, Any
 
 
 @admin.get("/sessions")
-async def list_sessions(request: Request, run: str | None = None, limit: int = 1000) -> dict[str, Any]:
+async def list_sessions(
+    request: Request, run: str | None = None, limit: Annotated[int, Query(ge=1, le=100_000)] = 1000
+) -> dict[str, Any]:
     sessions = await _state(request).store.list_sessions(run=run, limit=limit)
     return {"object": "list", "data": [session_json(s) for s in sessions]}
 
@@ -129,7 +145,7 @@ async def post_reward(session_id: str, body: RewardIn, request: Request) -> dict
 
 class SessionEnd(BaseModel):
     status: str = Field("ended", max_length=16, pattern=r"^[a-z_]+$")
-    outcome: dict[str, Any] | None = Field(None, description="how the episode went; kept in the metadata")
+    outcome: JsonObject | None = Field(None, description="how the episode went; kept in the metadata")
 
 
 @admin.post("/sessions/{session_id}/end")

@@ -21,6 +21,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from proxy import openapi
 from proxy.capture import Capture, carries_output
 from proxy.errors import BadRequest, anthropic_error_body, json_response
 from proxy.forwarding import (
@@ -28,6 +29,7 @@ from proxy.forwarding import (
     StreamBroken,
     UpstreamError,
     ask_for_tokens,
+    check_types,
     fit_to_backend,
     open_upstream,
     read_json,
@@ -51,6 +53,7 @@ def _adapter() -> Any:
 
 def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """A Messages request as a Chat Completions request, and the adapter's tool-name map."""
+    check_types(body)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     if not isinstance(body.get("messages"), list) or not body["messages"]:
@@ -101,7 +104,7 @@ def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[
     return dict(jsonable(message))
 
 
-@router.post("/messages")
+@router.post("/messages", openapi_extra=openapi.MESSAGES)
 async def messages(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings.max_body_bytes)
@@ -186,7 +189,7 @@ async def _relay(
         yield event
 
 
-@router.post("/messages/count_tokens")
+@router.post("/messages/count_tokens", openapi_extra=openapi.MESSAGES)
 async def count_tokens(request: Request) -> Response:
     """Input tokens of a Messages request, as the upstream's chat template renders them."""
     state: ProxyState = request.app.state.rlp

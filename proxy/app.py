@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Request
 
 from proxy.admin import admin, ops
 from proxy.anthropic import router as anthropic_router
 from proxy.anthropic import to_chat
-from proxy.errors import install_handlers
+from proxy.errors import BadRequest, install_handlers
 from proxy.openai_api import router
 from proxy.responses import _config, _event_stream
 from proxy.responses import router as responses_router
@@ -45,7 +45,7 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
             await upstream.close()
             await store.close()
 
-    app = FastAPI(title="rl-proxy", lifespan=lifespan)
+    app = FastAPI(title="rl-proxy", lifespan=lifespan, dependencies=[Depends(no_nul)])
     app.state.rlp = ProxyState(settings, store, upstream)
     install_handlers(app)
     for prefix in ("/v1", "/s/{session}/v1"):
@@ -55,6 +55,12 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
     app.include_router(admin)
     app.include_router(ops)
     return app
+
+
+async def no_nul(request: Request) -> None:
+    """Ids, keys and labels from the URL end up in text columns, and PostgreSQL's refuse NUL."""
+    if "\x00" in request.url.path or b"%00" in request.scope["query_string"]:
+        raise BadRequest("the URL contains a NUL character")
 
 
 def warm_translators() -> None:

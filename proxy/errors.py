@@ -14,6 +14,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from sqlalchemy.exc import DataError, SQLAlchemyError
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("rl_proxy.proxy")
@@ -118,6 +119,16 @@ def install_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _answer(request, exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(DataError)
+    async def unstorable(request: Request, exc: DataError) -> Response:
+        return _answer(request, 400, f"a value the store cannot hold: {exc.orig}", "invalid_request_error")
+
+    @app.exception_handler(SQLAlchemyError)
+    async def store_down(request: Request, exc: SQLAlchemyError) -> Response:
+        log.error("store error on %s %s: %s", request.method, request.url.path, exc)
+        message = f"the store is unavailable: {getattr(exc, 'orig', None) or type(exc).__name__}"
+        return _answer(request, 503, message, StoreUnavailable.type, StoreUnavailable.code)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

@@ -17,7 +17,6 @@ import aiohttp
 import anyio
 import orjson
 from fastapi import Request
-from sqlalchemy.exc import SQLAlchemyError
 
 from proxy.capture import Capture, as_chunks
 from proxy.errors import (
@@ -28,6 +27,7 @@ from proxy.errors import (
     StoreUnavailable,
     Unauthorized,
     UpstreamUnreachable,
+    error_body,
 )
 from proxy.sessions import parse_key, request_key
 from proxy.state import ProxyState
@@ -62,7 +62,33 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, not {type(body).__name__}")
+    model = body.get("model")  # kept in a column of its own: 256 characters, no NUL (PostgreSQL)
+    if isinstance(model, str) and (len(model) > 256 or "\x00" in model):
+        raise BadRequest("'model' must be at most 256 characters, without NUL", param="model")
     return body
+
+
+NUMBER = (int, float)
+# The types of the fields that the translating routes (Messages, Responses) hand to litellm's
+# translators, which assume them: any other type is a 400 here rather than a crash there.
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,), "stream": (bool,), "tools": (list,), "tool_choice": (str, dict), "metadata": (dict,),
+    "temperature": NUMBER, "top_p": NUMBER, "top_k": (int,), "max_tokens": (int,), "max_output_tokens": (int,),
+    "instructions": (str,), "system": (str, list), "stop_sequences": (list,), "parallel_tool_calls": (bool,),
+    "previous_response_id": (str,), "text": (dict,), "reasoning": (dict,), "thinking": (dict,), "user": (str,),
+}  # fmt: skip
+
+
+def check_types(body: dict[str, Any]) -> None:
+    """A 400 for a known field of the wrong JSON type (true is not a number here)."""
+    for name, types in FIELD_TYPES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            kinds = " or ".join({str: "a string", bool: "a boolean", list: "a list", dict: "an object",
+                                 int: "an integer", float: "a number"}[t] for t in types)  # fmt: skip
+            raise BadRequest(f"'{name}' must be {kinds}", param=name)
 
 
 async def session_for(request: Request, state: ProxyState) -> SessionInfo:
@@ -76,13 +102,6 @@ async def session_for(request: Request, state: ProxyState) -> SessionInfo:
         return await state.store.resolve_session(parse_key(key))
     except SessionConflict as exc:
         raise Forbidden(f"{exc}: the session belongs to another key") from exc
-    except SQLAlchemyError as exc:
-        raise StoreUnavailable(f"the session could not be read or created: {_reason(exc)}") from exc
-
-
-def _reason(exc: Exception) -> str:
-    """The database's own words, without SQLAlchemy's copy of the statement and the recorded call."""
-    return str(getattr(exc, "orig", None) or exc)
 
 
 @dataclass
@@ -123,7 +142,7 @@ class Call:
             response=response,
             ok=error is None,
             http_status=status,
-            error=error,
+            error=None if error is None else error.replace("\x00", "\\0"),  # an upstream may echo input
             prompt_token_ids=capture.prompt_token_ids,
             completions=capture.completions(),
             policy_version=self.version,
@@ -164,7 +183,9 @@ class Call:
         try:
             await self.state.store.record(call)
         except Exception as exc:
-            raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {_reason(exc)}") from exc
+            # The database's own words, without SQLAlchemy's copy of the statement and the call.
+            reason = getattr(exc, "orig", None) or exc
+            raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {reason}") from exc
 
 
 def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -> None:
@@ -223,6 +244,8 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
             data = {"error": {"message": raw.decode(errors="replace")[:2000], "type": "upstream_error"}}
         error = data.get("error") if isinstance(data, dict) else None
         message = str(error.get("message", error)) if isinstance(error, dict) else str(data)
+        if not isinstance(error, dict):  # not OpenAI's shape (a router's 404, say): made into it
+            data = error_body(f"upstream answered {resp.status}: {message[:2000]}", "upstream_error")
         await call.commit(call.record(Capture(), data, resp.status, message))
         raise UpstreamError(resp.status, data, message)
     if call.upstream_stream:

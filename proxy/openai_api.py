@@ -16,6 +16,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from proxy import openapi
 from proxy.capture import Capture, client_view
 from proxy.errors import BadRequest, error_body, json_response
 from proxy.forwarding import (
@@ -46,12 +47,12 @@ CHAT = Api("chat.completions", "/chat/completions", "messages", chat=True)
 COMPLETIONS = Api("completions", "/completions", "prompt", chat=False)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", openapi_extra=openapi.CHAT)
 async def chat_completions(request: Request) -> Response:
     return await forward(request, CHAT)
 
 
-@router.post("/completions")
+@router.post("/completions", openapi_extra=openapi.COMPLETIONS)
 async def completions(request: Request) -> Response:
     return await forward(request, COMPLETIONS)
 

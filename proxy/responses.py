@@ -25,6 +25,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from proxy import openapi
 from proxy.capture import Capture, carries_output
 from proxy.errors import BadRequest, NotFound, json_response
 from proxy.forwarding import (
@@ -32,6 +33,7 @@ from proxy.forwarding import (
     StreamBroken,
     UpstreamError,
     ask_for_tokens,
+    check_types,
     fit_to_backend,
     open_upstream,
     read_json,
@@ -92,6 +94,7 @@ class _Chunks:
 
 
 def validate(body: dict[str, Any]) -> None:
+    check_types(body)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     given, previous = body.get("input"), body.get("previous_response_id")
@@ -171,7 +174,7 @@ def _empty_message(item: dict[str, Any]) -> bool:
     return isinstance(parts, list) and all(p.get("type") == "output_text" and not p.get("text") for p in parts)
 
 
-@router.post("/responses")
+@router.post("/responses", openapi_extra=openapi.RESPONSES)
 async def responses(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings.max_body_bytes)

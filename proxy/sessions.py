@@ -47,6 +47,8 @@ def request_key(request: Request) -> str:
 
 def parse_key(key: str) -> SessionInfo:
     """A new session's id and labels as encoded in its key (see the module docstring)."""
+    if "\x00" in key:
+        raise BadRequest("the session key contains a NUL character")
     opaque = SessionInfo(id=session_id_of(key), key=key)
     if "=" not in key:
         return opaque
