@@ -3,7 +3,7 @@ PY ?= python3
 PIP := $(PY) -m pip
 STAMP := .install.stamp
 
-.PHONY: install train demo test lint fmt bench serve
+.PHONY: install train demo test soak lint fmt bench serve
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: install
 test: install
 	$(PY) -m pytest -q -ra
 
+# The long soak: 64 sessions, multi-turn, 150 s on SQLite then PostgreSQL (stub upstream),
+# and the fuzz with 200 examples per route.
+soak: install
+	$(PY) -m tests.soak --seconds 150
+	RLP_FUZZ_EXAMPLES=200 $(PY) -m pytest -q tests/proxy/test_fuzz.py
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -39,6 +45,7 @@ fmt:
 
 bench: install
 	$(PY) -m tests.bench_proxy
+	$(PY) -m tests.soak --bench
 	$(PY) -m tests.bench_trajectories
 	$(PY) -m tests.bench_episodes
 	$(PY) -m tests.bench_train

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -44,6 +45,7 @@ log = logging.getLogger("rl_proxy.recorder")
 Op = Callable[[Connection], object]
 Write = CallRecord | Op
 MAX_BATCH = 512
+RECENT_RESPONSES = 2048
 
 
 class SchemaMismatch(RuntimeError):
@@ -179,6 +181,9 @@ class Store:
         self._by_key: dict[str, SessionInfo] = {}
         self._seq: dict[str, int] = {}
         self._session_lock = asyncio.Lock()
+        # Recent answered Responses calls, so that a previous_response_id chain of n turns is n
+        # dictionary lookups rather than n queries (the store is read on a miss).
+        self._responses: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
         self.write_failures = 0
         self.committed_batches = 0
 
@@ -288,7 +293,11 @@ class Store:
                 await self._commit([one])
             return
         self.committed_batches += 1
-        for _, done in batch:
+        for write, done in batch:
+            if isinstance(write, CallRecord) and write.ok and write.response_id and write.response:
+                self._responses[write.session_id, write.response_id] = (write.request, write.response)
+                if len(self._responses) > RECENT_RESPONSES:
+                    self._responses.popitem(last=False)
             _settle(done, None)
 
     def record_nowait(self, call: CallRecord) -> asyncio.Future[None]:
@@ -424,6 +433,9 @@ class Store:
 
     async def stored_response(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The request and answer of a session's answered Responses call with this id."""
+        recent = self._responses.get((session_id, response_id))
+        if recent is not None:  # a copy, as from the database: translators may change what they get
+            return orjson.loads(orjson.dumps(recent[0])), orjson.loads(orjson.dumps(recent[1]))
         query = select(CallRow.request, CallRow.response).where(
             CallRow.response_id == response_id, CallRow.session_id == session_id, CallRow.ok.is_(True)
         )

@@ -46,7 +46,10 @@ API_BODIES = {  # path: request
 
 
 @contextmanager
-def process(args: list[str], health: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+def process(
+    args: list[str], health: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server in its own process, once its health URL answers; stopped afterwards."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
@@ -62,7 +65,7 @@ def process(args: list[str], health: str, log: Path, env: dict[str, str] | None 
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{args[:3]} did not start; see {log}")
             time.sleep(0.25)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
