@@ -161,9 +161,9 @@ async def end_session(session_id: str, request: Request, body: SessionEnd | None
 async def refresh_version(request: Request) -> dict[str, Any]:
     """Read the upstream's weight version now: the trainer calls this during a hot swap, before
     resuming vLLM, so that no call starting after the swap is stamped with the old version."""
-    upstream = _state(request).upstream
-    await upstream.refresh_version()
-    return {"policy_version": upstream.version}
+    upstreams = _state(request).upstreams
+    await upstreams.refresh_versions()
+    return {"policy_version": upstreams.first.version, "versions": {u.base_url: u.version for u in upstreams.members}}
 
 
 ops = APIRouter()
@@ -174,9 +174,12 @@ async def healthz(request: Request) -> dict[str, Any]:
     state = _state(request)
     return {
         "status": "ok",
-        "upstream": state.upstream.base_url,
-        "policy_version": state.upstream.version,
-        "stream_gap": state.upstream.stream_gap,  # why streams are asked for whole, if they are
+        "upstream": state.upstreams.first.base_url,
+        "policy_version": state.upstreams.first.version,
+        "stream_gap": state.upstreams.first.stream_gap,  # why streams are asked for whole, if they are
+        "upstreams": [
+            {"url": u.base_url, "alive": u.alive, "policy_version": u.version} for u in state.upstreams.members
+        ],
         "recorder_queue": state.store.queue_depth,
         "record_failures": state.store.write_failures,
     }

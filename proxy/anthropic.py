@@ -115,7 +115,7 @@ async def messages(request: Request) -> Response:
     ask_for_tokens(state, chat)
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
+    call = Call(state, API, session, state.store.next_seq(session.id), body, stream)
     call.rewrites = await fit_to_backend(state, chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)
@@ -199,8 +199,9 @@ async def count_tokens(request: Request) -> Response:
     tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}
     if chat.get("tools"):
         tokenize["tools"] = chat["tools"]
-    resp = await state.upstream.send("POST", "/tokenize", tokenize, at_root=True)
-    raw = await state.upstream.read(resp)
+    upstream = state.upstreams.first
+    resp = await upstream.send("POST", "/tokenize", tokenize, at_root=True)
+    raw = await upstream.read(resp)
     data = orjson.loads(raw)
     if not resp.ok:
         message = str((data.get("error") or {}).get("message", data)) if isinstance(data, dict) else str(data)

@@ -1,4 +1,4 @@
-"""The app factory: wires settings, store and upstream into one FastAPI app."""
+"""The app factory: wires settings, store and upstreams into one FastAPI app."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from proxy.responses import _config, _event_stream
 from proxy.responses import router as responses_router
 from proxy.settings import Settings
 from proxy.state import ProxyState
-from proxy.upstream import Upstream
+from proxy.upstream import Upstreams
 from recorder import Store
 
 
-def create_app(settings: Settings, store: Store | None = None, upstream: Upstream | None = None) -> FastAPI:
-    """The proxy app. The store and upstream are opened and closed with the app's lifespan."""
-    if settings.upstream is None and upstream is None:
-        raise ValueError("create_app needs an upstream URL (settings.upstream) or an Upstream")
+def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
+    """The proxy app. The store and upstreams are opened and closed with the app's lifespan."""
+    if not settings.upstream:
+        raise ValueError("create_app needs an upstream URL (settings.upstream)")
     store = store or Store(settings.db)
-    upstream = upstream or Upstream(
-        settings.upstream or "",
+    upstreams = Upstreams.from_urls(
+        settings.upstream,
         timeout=settings.upstream_timeout,
         connect_timeout=settings.upstream_connect_timeout,
         api_key=settings.upstream_api_key,
@@ -37,16 +37,15 @@ def create_app(settings: Settings, store: Store | None = None, upstream: Upstrea
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.open()
         await asyncio.to_thread(warm_translators)
-        await upstream.refresh_models()
-        upstream.start_version_polling(settings.version_poll_interval)
+        await upstreams.start(settings.version_poll_interval)
         try:
             yield
         finally:
-            await upstream.close()
+            await upstreams.close()
             await store.close()
 
     app = FastAPI(title="rl-proxy", lifespan=lifespan, dependencies=[Depends(no_nul)])
-    app.state.rlp = ProxyState(settings, store, upstream)
+    app.state.rlp = ProxyState(settings, store, upstreams)
     install_handlers(app)
     for prefix in ("/v1", "/s/{session}/v1"):
         app.include_router(router, prefix=prefix)

@@ -31,6 +31,7 @@ from proxy.errors import (
 )
 from proxy.sessions import parse_key, request_key
 from proxy.state import ProxyState
+from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.store import SessionConflict, utcnow
 
@@ -114,13 +115,18 @@ class Call:
     seq: int
     request: dict[str, Any]
     stream: bool
-    version: str | None
 
     def __post_init__(self) -> None:
         self.started = utcnow()
         self.rewrites: dict[str, Any] = {}
         self.response_id: str | None = None
-        self.upstream_stream = self.stream and self.state.upstream.stream_gap is None
+        self.pin(self.state.upstreams.for_session(self.session.id))
+
+    def pin(self, upstream: Upstream) -> None:
+        """Send the call to `upstream` (the session's; another if that one is down)."""
+        self.upstream = upstream
+        self.version = upstream.version
+        self.upstream_stream = self.stream and upstream.stream_gap is None
 
     def record(
         self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
@@ -128,15 +134,15 @@ class Call:
         state = self.state
         if error is None and capture.choices:
             error = capture.incomplete()  # answered, but never trained on as if complete
-            if error and self.upstream_stream and state.upstream.stream_gap is None:
+            if error and self.upstream_stream and self.upstream.stream_gap is None:
                 log.warning("upstream stream lost token ids (%s): streams are asked for whole from now on", error)
-                state.upstream.stream_gap = error
+                self.upstream.stream_gap = error
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,
             api=self.api,
             model=str(self.request.get("model")),
-            upstream=state.upstream.base_url,
+            upstream=self.upstream.base_url,
             stream=self.stream,
             request=self.request,
             response=response,
@@ -146,7 +152,7 @@ class Call:
             prompt_token_ids=capture.prompt_token_ids,
             completions=capture.completions(),
             policy_version=self.version,
-            policy_version_end=state.upstream.version,
+            policy_version_end=self.upstream.version,
             started_at=self.started,
             finished_at=utcnow(),
             rewrites=self.rewrites,
@@ -203,9 +209,9 @@ def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -
 async def fit_to_backend(state: ProxyState, body: dict[str, Any]) -> dict[str, Any]:
     """Map the requested model to a served one and cap the completion length, in the upstream
     body (the recorded request stays as the client sent it); return the changes made."""
-    settings, upstream = state.settings, state.upstream
+    settings = state.settings
     rewrites: dict[str, Any] = {}
-    served = await upstream.served_models()
+    served = await state.upstreams.first.served_models()
     model = body.get("model")
     policy = settings.policy_model or next(iter(served), None)
     target = settings.model_aliases.get(str(model))
@@ -228,15 +234,23 @@ async def fit_to_backend(state: ProxyState, body: dict[str, Any]) -> dict[str, A
 async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Any]:
     """Send the upstream request: (the response, its parsed JSON body if not streamed). Every
     way it can fail is recorded as a failed call and raised as a named ProxyError."""
-    upstream = call.state.upstream
-    if call.stream and not call.upstream_stream:
-        body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
-    try:
-        resp = await upstream.send("POST", path, body)
-        raw = b"" if call.upstream_stream and resp.ok else await upstream.read(resp)
-    except ProxyError as exc:
-        await call.commit(call.record(Capture(), None, exc.status, exc.message))
-        raise
+    upstreams = call.state.upstreams
+    while True:
+        if call.stream and not call.upstream_stream:
+            body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        try:
+            resp = await call.upstream.send("POST", path, body)
+            raw = b"" if call.upstream_stream and resp.ok else await call.upstream.read(resp)
+            break
+        except UpstreamDown as exc:  # never sent: the session moves to a live server, if any
+            if upstreams.for_session(call.session.id) is not call.upstream:
+                call.pin(upstreams.for_session(call.session.id))
+                continue
+            await call.commit(call.record(Capture(), None, exc.status, exc.message))
+            raise
+        except ProxyError as exc:
+            await call.commit(call.record(Capture(), None, exc.status, exc.message))
+            raise
     if not resp.ok:
         try:
             data = orjson.loads(raw)

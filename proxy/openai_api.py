@@ -59,7 +59,7 @@ async def completions(request: Request) -> Response:
 
 @router.get("/models")
 async def models(request: Request) -> Response:
-    upstream = request.app.state.rlp.upstream
+    upstream = request.app.state.rlp.upstreams.first
     resp = await upstream.send("GET", "/models")
     return Response(await upstream.read(resp), resp.status, media_type="application/json")
 
@@ -82,7 +82,7 @@ async def forward(request: Request, api: Api) -> Response:
     validate(body, api)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
-    call = Call(state, api.name, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
+    call = Call(state, api.name, session, state.store.next_seq(session.id), body, stream)
     keep_tokens = bool(body.get("return_token_ids"))
     keep_logprobs = bool(body.get("logprobs")) if api.chat else body.get("logprobs") is not None
     upstream_body = dict(body)

@@ -183,7 +183,7 @@ async def responses(request: Request) -> Response:
     stream = bool(body.get("stream"))
     chat = to_chat(body, await conversation(state, session, body), stream)
     ask_for_tokens(state, chat)
-    call = Call(state, API, session, state.store.next_seq(session.id), body, stream, state.upstream.version)
+    call = Call(state, API, session, state.store.next_seq(session.id), body, stream)
     call.response_id = f"resp_{uuid.uuid4().hex}"
     call.rewrites = await fit_to_backend(state, chat)
     try:

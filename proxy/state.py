@@ -1,4 +1,4 @@
-"""What one proxy app holds while it runs: settings, store, upstream, metrics (app.state.rlp)."""
+"""What one proxy app holds while it runs: settings, store, upstreams, metrics (app.state.rlp)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from proxy.metrics import Metrics
 from proxy.settings import Settings
-from proxy.upstream import Upstream
+from proxy.upstream import Upstreams
 from recorder import CallRecord, Store
 
 
@@ -14,7 +14,7 @@ from recorder import CallRecord, Store
 class ProxyState:
     settings: Settings
     store: Store
-    upstream: Upstream
+    upstreams: Upstreams
     metrics: Metrics = field(default_factory=Metrics)
 
     def observe(self, call: CallRecord) -> None:

@@ -1,4 +1,10 @@
-"""The upstream: one pooled HTTP client to an OpenAI-compatible server, and its policy version.
+"""The upstreams: a pooled HTTP client per OpenAI-compatible server, and its policy version.
+
+Several servers of one model (vLLM replicas) can stand behind one proxy: each session is pinned
+to one of them by rendezvous hashing of its id over the live ones (its prefix cache stays warm,
+and every proxy of a deployment pins it to the same server without sharing any state). A server
+that refuses connections is taken out of rotation, its sessions move (each to where the hash
+puts it next), and it is probed every second until it answers again.
 
 aiohttp rather than httpx: under 16+ concurrent calls httpx's connection pool cost about 3 ms of
 CPU per request (measured with cProfile while running `make bench`), more than the whole
@@ -10,6 +16,7 @@ route (any other provider) has version None.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from typing import Any
@@ -24,6 +31,10 @@ log = logging.getLogger("rl_proxy.upstream")
 # Stream chunks carry token ids (a first chunk holds the whole prompt's), so lines can be long.
 MAX_LINE = 64 * 1024 * 1024
 MODELS_RETRY = 10.0
+
+
+class UpstreamDown(UpstreamUnreachable):
+    """The connection was refused: the request never reached the server, so another may take it."""
 
 
 class Upstream:
@@ -43,6 +54,7 @@ class Upstream:
         # The upstream's own key, if it needs one; a client's key names its session and stays here.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._poller: asyncio.Task[None] | None = None
+        self.alive = True
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -119,6 +131,11 @@ class Upstream:
                 return await self.session.request(method, url, data=data, headers=headers)  # once more
         except asyncio.TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.base_url} timed out") from exc
+        except aiohttp.ClientConnectorError as exc:  # nothing was sent: the server is not there
+            if self.alive:
+                log.error("upstream %s is down (%s): out of rotation until it answers", self.base_url, exc)
+            self.alive = False
+            raise UpstreamDown(f"upstream {self.base_url} unreachable: {exc!r}") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"upstream {self.base_url} unreachable: {exc!r}") from exc
 
@@ -132,3 +149,60 @@ class Upstream:
             raise UpstreamUnreachable(f"upstream {self.base_url} broke off its answer: {exc!r}") from exc
         finally:
             resp.release()
+
+
+class Upstreams:
+    """The servers behind the proxy (see the module docstring); one, most of the time."""
+
+    def __init__(self, members: list[Upstream]) -> None:
+        self.members = members
+        self._prober: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_urls(cls, urls: str, *, timeout: float, connect_timeout: float, api_key: str | None) -> Upstreams:
+        """Comma-separated base URLs."""
+        return cls([Upstream(url.strip(), timeout=timeout, connect_timeout=connect_timeout, api_key=api_key)
+                    for url in urls.split(",") if url.strip()])  # fmt: skip
+
+    def live(self) -> list[Upstream]:
+        """The members in rotation; all of them when none is (a call then fails on its own)."""
+        return [u for u in self.members if u.alive] or self.members
+
+    def for_session(self, session_id: str) -> Upstream:
+        """The session's server: the highest hash of (server, session) among the live ones."""
+        live = self.live()
+        if len(live) == 1:
+            return live[0]
+        return max(live, key=lambda u: hashlib.sha256(f"{u.base_url}|{session_id}".encode()).digest())
+
+    @property
+    def first(self) -> Upstream:
+        return self.live()[0]
+
+    async def start(self, interval: float) -> None:
+        for member in self.members:
+            await member.refresh_models()
+            member.start_version_polling(interval)
+        self._prober = asyncio.create_task(self._probe(interval), name="upstream-probe")
+
+    async def _probe(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for member in [u for u in self.members if not u.alive]:
+                try:
+                    resp = await member.send("GET", "/models")
+                    resp.release()
+                except ProxyError:
+                    continue
+                if resp.ok:
+                    member.alive = True
+                    log.warning("upstream %s answers again: back in rotation", member.base_url)
+
+    async def refresh_versions(self) -> None:
+        await asyncio.gather(*(u.refresh_version() for u in self.members))
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+        for member in self.members:
+            await member.close()

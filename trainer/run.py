@@ -109,11 +109,13 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     with proxy_for(config) as (url, model, db, upstream):
         if db is None or upstream is None:
             raise TrainError("training needs the proxy's store and its vLLM upstream")
-        roots = [upstream.removesuffix("/v1")]
-        served = httpx.get(f"{upstream}/models", timeout=30).json()["data"]
-        if not any(Path(m.get("root") or "") == base for m in served):
-            raise TrainError(f"vLLM at {upstream} serves {[m.get('root') for m in served]}, not the model being "
-                             f"trained ({base}): its weights could not be swapped in")  # fmt: skip
+        replicas = [u.strip() for u in upstream.split(",") if u.strip()]  # every one is swapped
+        roots = [u.removesuffix("/v1") for u in replicas]
+        for replica in replicas:
+            served = httpx.get(f"{replica}/models", timeout=30).json()["data"]
+            if not any(Path(m.get("root") or "") == base for m in served):
+                raise TrainError(f"vLLM at {replica} serves {[m.get('root') for m in served]}, not the model "
+                                 f"being trained ({base}): its weights could not be swapped in")  # fmt: skip
 
         async def main() -> dict[str, Any]:
             async with Store(db) as store:

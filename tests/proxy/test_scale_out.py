@@ -1,0 +1,121 @@
+"""Scale-out with stub upstreams (NOT vLLM): several servers behind one proxy, sessions pinned
+and moved off a dead server; two proxy processes writing one PostgreSQL database."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+from proxy.backend import free_port
+from proxy.server import AppThread
+from tests.bench_proxy import process
+from tests.soak import Load, reply, request, verify
+from tests.stub_upstream import MODEL, stub_app
+
+
+def ask(proxy: Any, session: str) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": session}]}
+    return httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": session}, timeout=30)
+
+
+def served_by(proxy: Any) -> dict[str, set[str]]:
+    """Each session's upstreams, as recorded."""
+    out: dict[str, set[str]] = {}
+    for call in proxy.calls():
+        out.setdefault(call.session_id, set()).add(call.upstream)
+    return out
+
+
+def test_sessions_are_pinned_and_moved_off_a_dead_upstream(make_proxy: Any) -> None:
+    ports = [free_port() for _ in range(3)]
+    servers = [AppThread(stub_app(), port).__enter__() for port in ports]
+    urls = [f"{s.url}/v1" for s in servers]
+    proxy = make_proxy(",".join(urls), version_poll_interval=0.2)
+    sessions = [f"pin-{i}" for i in range(24)]
+    for _ in range(3):
+        assert all(ask(proxy, s).status_code == 200 for s in sessions)
+    before = served_by(proxy)
+    assert all(len(ups) == 1 for ups in before.values())  # pinned: every call of a session on one server
+    home = {s: next(iter(before[s])) for s in sessions}
+    assert set(home.values()) == set(urls)  # spread over all three
+    assert min(list(home.values()).count(u) for u in urls) >= 3
+
+    servers[0].__exit__(None, None, None)  # the first server dies
+    assert all(ask(proxy, s).status_code == 200 for s in sessions)  # no call fails
+    health = httpx.get(f"{proxy.url}/healthz").json()["upstreams"]
+    assert [u["alive"] for u in health] == [False, True, True]
+    calls = proxy.calls()
+    assert all(c.ok for c in calls)
+    last = {c.session_id: c.upstream for c in calls}
+    for s in sessions:  # the dead server's sessions moved; the others stayed
+        assert last[s] != urls[0]
+        if home[s] != urls[0]:
+            assert last[s] == home[s]
+
+    servers[0] = AppThread(stub_app(), ports[0]).__enter__()  # it comes back
+    deadline = time.monotonic() + 10
+    while not httpx.get(f"{proxy.url}/healthz").json()["upstreams"][0]["alive"]:
+        assert time.monotonic() < deadline, "the server that came back was never probed back in"
+        time.sleep(0.2)
+    assert all(ask(proxy, s).status_code == 200 for s in sessions)
+    back = {c.session_id: c.upstream for c in proxy.calls()}
+    assert back == home  # and its sessions return to it
+    for server in servers:
+        server.__exit__(None, None, None)
+
+
+def test_all_upstreams_down_is_a_502_recorded(make_proxy: Any) -> None:
+    proxy = make_proxy(f"http://127.0.0.1:{free_port()}/v1,http://127.0.0.1:{free_port()}/v1")
+    refused = ask(proxy, "nowhere")
+    assert refused.status_code == 502 and refused.json()["error"]["code"] == "upstream_unreachable"
+    [call] = proxy.calls("nowhere")
+    assert not call.ok and call.http_status == 502
+
+
+async def round_robin(bases: list[str], sessions: int, turns: int) -> Load:
+    """Each session's turns alternate between the proxies, as behind a round-robin balancer."""
+    load = Load()
+
+    async def converse(http: aiohttp.ClientSession, session: str) -> None:
+        history: list[Any] = []
+        for turn in range(1, turns + 1):
+            path, body = request("chat", f"{session} turn {turn}", history, None)
+            async with http.post(f"{bases[turn % 2]}/{path}", json=body, headers={"x-api-key": session}) as resp:
+                raw = await resp.read()
+            if resp.status != 200:
+                load.errors.append(f"{session} turn {turn}: {resp.status} {raw[:200]!r}")
+                return
+            reply_id, text = reply("chat", raw)
+            history.append({"role": "assistant", "content": text})
+            load.answered.append((session, turn, reply_id))
+
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(converse(http, f"rr-{i}") for i in range(sessions)))
+    return load
+
+
+def test_two_proxy_processes_write_one_postgres_database(postgres: str, tmp_path: Path) -> None:
+    from tests.conftest import new_database
+
+    db = new_database(postgres)
+    port = free_port()
+    stub = [sys.executable, "-m", "tests.stub_upstream", "--port", str(port), "--latency", "0.01"]
+    upstream = f"http://127.0.0.1:{port}/v1"
+    ports = [free_port(), free_port()]
+    serve = [[sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream, "--db", db, "--port", str(p)]
+             for p in ports]  # fmt: skip
+    with (
+        process(stub, f"{upstream}/models", tmp_path / "stub.log"),
+        process(serve[0], f"http://127.0.0.1:{ports[0]}/healthz", tmp_path / "a.log"),
+        process(serve[1], f"http://127.0.0.1:{ports[1]}/healthz", tmp_path / "b.log"),
+    ):
+        load = asyncio.run(round_robin([f"http://127.0.0.1:{p}/v1" for p in ports], sessions=16, turns=8))
+    assert not load.errors, load.errors[:3]
+    assert len(load.answered) == 16 * 8
+    assert verify(db, load) == []  # every turn recorded once, in order, whole
