@@ -3,7 +3,8 @@
 The upstream is the STUB (tests/stub_upstream.py, not vLLM) in its own process, answering after
 a fixed delay: the proxy and its store are under load, not a model. Each session talks one API
 (Chat Completions whole or streamed, Anthropic Messages, or Responses chained by
-previous_response_id) and sends its whole history every turn. Afterwards the store is read back
+previous_response_id) and sends its whole history every turn, for episodes of 24 turns, one
+session after another. Afterwards the store is read back
 and every answered call checked: there, in order, with the client's own turn in its request, the
 answer's id the client got and the stub's tokens. The proxy's RSS is sampled every second.
 
@@ -35,6 +36,7 @@ from tests.postgres import temp_postgres
 from tests.stub_upstream import COMPLETION, MODEL
 
 KINDS = ("chat", "chat-stream", "messages", "responses")
+TURNS = 24  # per episode (session)
 
 
 @dataclass
@@ -77,11 +79,13 @@ def reply(kind: str, raw: bytes) -> tuple[str, str]:
     return data["id"], data["choices"][0]["message"]["content"]
 
 
-async def converse(http: aiohttp.ClientSession, base: str, session: str, kind: str, until: float, load: Load) -> None:
-    history: list[Any] = []
-    previous: str | None = None
-    turn = 0
+async def converse(http: aiohttp.ClientSession, base: str, worker: str, kind: str, until: float, load: Load) -> None:
+    """Episodes of TURNS turns, one after another (an agent's context does not grow forever)."""
+    episode = turn = 0
     while time.monotonic() < until:
+        if turn % TURNS == 0:
+            episode, turn, history, previous = episode + 1, 0, [], None
+            session = f"{worker}-{episode}"
         turn += 1
         path, body = request(kind, f"{session} turn {turn}", history, previous)
         start = time.perf_counter()
