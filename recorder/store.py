@@ -181,7 +181,8 @@ class Store:
         self._writer: asyncio.Task[None] | None = None
         self._by_key: dict[str, SessionInfo] = {}
         self._seq: dict[str, int] = {}
-        self._new_ids: set[str] = set()  # sessions created, not yet committed
+        self._creating: dict[str, asyncio.Future[None]] = {}  # key digest: its session's insert
+        self._new_ids: set[str] = set()  # ids of those sessions
         # Recent answered Responses calls, so that a previous_response_id chain of n turns is n
         # dictionary lookups rather than n queries (the store is read on a miss).
         self._responses: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
@@ -312,6 +313,9 @@ class Store:
 
     async def session_by_key(self, key: str) -> SessionInfo | None:
         digest = key_digest(key)
+        creating = self._creating.get(digest)
+        if creating is not None:  # known only once committed: its insert may yet fail (id taken)
+            await asyncio.wait([creating])
         cached = self._by_key.get(digest)
         if cached is not None:
             return cached
@@ -331,10 +335,9 @@ class Store:
 
         The database's unique constraints decide, and no lock is held: sessions created together
         are committed together (with a lock and a look-up first, the 64th of 64 sessions opened
-        at once waited 4.7 s). A session is known here at once: a call queued behind its insert
-        is committed after it."""
+        at once waited 4.7 s). Until its insert is committed, a look-up of its key waits."""
         digest = key_digest(info.key)
-        if digest in self._by_key:
+        if digest in self._by_key or digest in self._creating:
             raise SessionConflict("this session key is already in use")
         if info.id in self._new_ids:
             raise SessionConflict(f"session id {info.id!r} is already taken")
@@ -349,24 +352,21 @@ class Store:
             "status": created.status,
             "created_at": created.created_at,
         }
-        committed = self.submit(lambda conn: conn.execute(insert(SessionRow).values(values)))
-        self._by_key[digest] = replace(created, key=digest)
-        self._seq[created.id] = 0
+        committed = self._creating[digest] = self.submit(lambda conn: conn.execute(insert(SessionRow).values(values)))
         self._new_ids.add(info.id)
         try:
             await committed
         except IntegrityError as exc:
-            del self._by_key[digest]
             async with self._sessions() as s:
                 taken = await s.scalar(select(SessionRow.id).where(SessionRow.id == info.id))
             if taken is not None:
                 raise SessionConflict(f"session id {info.id!r} is already taken") from exc
             raise SessionConflict("this session key is already in use") from exc
-        except BaseException:
-            self._by_key.pop(digest, None)
-            raise
         finally:
             self._new_ids.discard(info.id)
+            del self._creating[digest]
+        self._by_key[digest] = replace(created, key=digest)
+        self._seq[created.id] = 0
         return created
 
     async def resolve_session(self, info: SessionInfo) -> SessionInfo:

@@ -5,6 +5,7 @@ tested against the real server in test_dev_routes.py; the admin token in test_ad
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,13 @@ def test_a_session_cannot_read_or_write_another_sessions_data(make_proxy: Any, s
     ):
         assert attempt.status_code == 403 and "Traceback" not in attempt.text
         assert "another key" in attempt.text
+
+    def intrude(i: int) -> httpx.Response:
+        return httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers={"x-api-key": f"id=victim,n={i % 2}"})
+
+    with ThreadPoolExecutor(8) as pool:  # at once, so that all race the first one's failed insert
+        raced = list(pool.map(intrude, range(16)))
+    assert [r.status_code for r in raced] == [403] * 16
     assert [c.seq for c in proxy.calls("victim")] == [1]  # nothing was added to it
     # Sessions only the admin API creates: an unknown key is refused outright.
     closed = make_proxy(stub, create_sessions=False)
