@@ -13,8 +13,8 @@ from proxy.anthropic import router as anthropic_router
 from proxy.anthropic import to_chat
 from proxy.errors import BadRequest, install_handlers
 from proxy.openai_api import router
-from proxy.responses import _config, _event_stream
 from proxy.responses import router as responses_router
+from proxy.responses import warm
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.upstream import Upstreams
@@ -66,5 +66,4 @@ def warm_translators() -> None:
     """Import litellm's translators before serving: imported on the first Messages or Responses
     call they held up every call in flight for about 3 s (the import runs on the event loop)."""
     to_chat({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
-    _config()
-    _event_stream()
+    warm()

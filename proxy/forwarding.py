@@ -63,9 +63,9 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, not {type(body).__name__}")
-    model = body.get("model")  # kept in a column of its own: 256 characters, no NUL (PostgreSQL)
-    if isinstance(model, str) and (len(model) > 256 or "\x00" in model):
-        raise BadRequest("'model' must be at most 256 characters, without NUL", param="model")
+    model = body.get("model", "")  # kept in a column of its own: 256 characters, no NUL (PostgreSQL)
+    if not isinstance(model, str) or len(model) > 256 or "\x00" in model:
+        raise BadRequest("'model' must be a string of at most 256 characters, without NUL", param="model")
     return body
 
 

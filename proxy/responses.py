@@ -53,6 +53,12 @@ UNSUPPORTED = ("background", "conversation", "prompt")
 MAX_CHAIN = 10_000  # previous_response_id links followed before giving up
 
 
+def warm() -> None:
+    """Import litellm's translators now rather than on the first call (see app.warm_translators)."""
+    _config()
+    _event_stream()
+
+
 @cache
 def _config() -> Any:
     litellm()
