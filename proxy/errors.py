@@ -125,7 +125,8 @@ def install_handlers(app: FastAPI) -> None:
         return _answer(request, 400, f"a value the store cannot hold: {exc.orig}", "invalid_request_error")
 
     @app.exception_handler(SQLAlchemyError)
-    async def store_down(request: Request, exc: SQLAlchemyError) -> Response:
+    @app.exception_handler(ConnectionError)  # asyncpg's refused connection is not wrapped; the
+    async def store_down(request: Request, exc: Exception) -> Response:  # upstream's always are
         log.error("store error on %s %s: %s", request.method, request.url.path, exc)
         message = f"the store is unavailable: {getattr(exc, 'orig', None) or type(exc).__name__}"
         return _answer(request, 503, message, StoreUnavailable.type, StoreUnavailable.code)

@@ -169,7 +169,9 @@ class Store:
         }
         if self.url.startswith("sqlite"):
             options["connect_args"] = {"timeout": busy_timeout}
-        self.engine = create_async_engine(self.url, **options)
+        # A server's pooled connections die with it: checked before use, so that reads recover
+        # by themselves when it is back (a file cannot go away so).
+        self.engine = create_async_engine(self.url, pool_pre_ping=not self.url.startswith("sqlite"), **options)
         self.write_engine = create_engine(sync_url(self.url), pool_size=1, **options)
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
@@ -260,23 +262,30 @@ class Store:
 
     def _commit_sync(self, writes: list[Write]) -> None:
         # The writer thread keeps one connection for the store's life: no pool round trip a batch.
-        if self._write_conn is None:
-            self._write_conn = self.write_engine.connect()
-        conn = self._write_conn
-        try:
-            with conn.begin():
-                for write in writes:  # sessions before calls: a call's session must exist
-                    if not isinstance(write, CallRecord):
-                        write(conn)
-                calls = [w for w in writes if isinstance(w, CallRecord)]
-                if calls:
-                    calls = _number_calls(conn, calls)
-                    _insert_calls(conn, calls)
-        except Exception:
-            if conn.invalidated:  # the server went away: the next batch connects again
+        # A connection the server dropped (a restart) is replaced, and the batch sent again if it
+        # failed before its commit was sent (so that nothing can be written twice).
+        for attempt in range(2):
+            if self._write_conn is None:
+                self._write_conn = self.write_engine.connect()
+            conn, committing = self._write_conn, False
+            try:
+                with conn.begin():
+                    for write in writes:  # sessions before calls: a call's session must exist
+                        if not isinstance(write, CallRecord):
+                            write(conn)
+                    calls = [w for w in writes if isinstance(w, CallRecord)]
+                    if calls:
+                        calls = _number_calls(conn, calls)
+                        _insert_calls(conn, calls)
+                    committing = True
+                break
+            except Exception:
+                if not conn.invalidated:
+                    raise
                 conn.close()
                 self._write_conn = None
-            raise
+                if committing or attempt == 1:
+                    raise
         for call in calls:  # numbering continues after a call another proxy moved
             self._seq[call.session_id] = max(self._seq.get(call.session_id, 0), call.seq)
 

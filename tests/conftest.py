@@ -62,8 +62,8 @@ def postgres() -> Iterator[str]:
         if os.environ.get("RLP_REQUIRE_POSTGRES"):
             pytest.fail("PostgreSQL is required (RLP_REQUIRE_POSTGRES) but not installed")
         pytest.skip("PostgreSQL is not installed")
-    with temp_postgres() as url:
-        yield url
+    with temp_postgres() as server:
+        yield server.url
 
 
 def new_database(server: str) -> str:

@@ -13,8 +13,9 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -33,12 +34,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Server:
+    """A running throwaway server: its URL, and pg_ctl for the tests that stop and start it."""
+
+    url: str
+    ctl: Callable[[str], None]
+
+
 @contextmanager
-def temp_postgres() -> Iterator[str]:
-    """Yield the SQLAlchemy URL of a new, empty database on a server of its own."""
+def temp_postgres() -> Iterator[Server]:
+    """A server of its own with a new, empty cluster; `url` is its `postgres` database."""
     given = os.environ.get("RLP_TEST_POSTGRES")
     if given:
-        yield given
+        yield Server(given, lambda action: None)
         return
     bin_dir = postgres_bin()
     if bin_dir is None:
@@ -50,15 +59,19 @@ def temp_postgres() -> Iterator[str]:
     if as_user:
         shutil.chown(home, "postgres")
     quiet = {"check": True, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
+    options = f"-p {port} -k {home} -c listen_addresses=127.0.0.1 -c max_connections=200 -c fsync=on"
+
+    def ctl(action: str) -> None:
+        """`start` (waits until it accepts connections) or `stop` (immediate, like a crash)."""
+        extra = ["-o", options, "-l", home / "log", "-w"] if action == "start" else ["-m", "immediate"]
+        subprocess.run([*as_user, bin_dir / "pg_ctl", "-D", data, *extra, action], **quiet)
+
     try:
         subprocess.run([*as_user, bin_dir / "initdb", "-D", data, "-U", "rlp", "--auth=trust", "-E", "UTF8"], **quiet)
-        options = f"-p {port} -k {home} -c listen_addresses=127.0.0.1 -c max_connections=200 -c fsync=on"
-        subprocess.run(
-            [*as_user, bin_dir / "pg_ctl", "-D", data, "-o", options, "-l", home / "log", "-w", "start"], **quiet
-        )
+        ctl("start")
         try:
-            yield f"postgresql://rlp@127.0.0.1:{port}/postgres"
+            yield Server(f"postgresql://rlp@127.0.0.1:{port}/postgres", ctl)
         finally:
-            subprocess.run([*as_user, bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "stop"], **quiet)
+            ctl("stop")
     finally:
         shutil.rmtree(home, ignore_errors=True)

@@ -163,7 +163,7 @@ def stack(stores: list[str], latency: float) -> Iterator[tuple[str, dict[str, st
             if kind == "sqlite":
                 dbs[kind] = str(work / "soak.db")
             else:
-                dbs[kind] = new_database(stack.enter_context(temp_postgres()))
+                dbs[kind] = new_database(stack.enter_context(temp_postgres()).url)
         yield f"http://127.0.0.1:{port}/v1", dbs
 
 

@@ -22,7 +22,8 @@ from proxy.backend import free_port
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import Store
-from tests.conftest import read_store
+from tests.conftest import new_database, read_store
+from tests.postgres import temp_postgres
 from tests.stub_upstream import COMPLETION, MODEL, stub_app
 
 
@@ -198,3 +199,34 @@ def test_a_long_reader_does_not_hold_up_calls(tmp_path: Path) -> None:
         finally:
             proxy.__exit__(None, None, None)
     assert len(read_store(db, lambda s: _all_calls(s))) == 6
+
+
+def test_postgres_going_away_answers_503_then_recovers_by_itself(postgres: str, tmp_path: Path) -> None:
+    """A server of its own (the shared one is not stopped), crashed (immediate stop) mid-run."""
+    with temp_postgres() as server, AppThread(stub_app()) as stub:
+        db = new_database(server.url)
+        proxy = AppThread(create_app(Settings(upstream=f"{stub.url}/v1", db=db))).__enter__()
+        try:
+            client = OpenAI(base_url=f"{proxy.url}/v1", api_key="pg-down", max_retries=0)
+            ask = [{"role": "user", "content": "hi"}]
+            before = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
+            server.ctl("stop")
+            body = {"model": MODEL, "messages": ask, "max_tokens": 8}
+            during = [httpx.post(f"{proxy.url}/v1/{path}", json=body, headers={"x-api-key": key})
+                      for path in ("chat/completions", "messages") for key in ("pg-down", "pg-new")]  # fmt: skip
+            server.ctl("start")
+            after = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
+            mid = OpenAI(base_url=f"{proxy.url}/v1", api_key="pg-mid", max_retries=0)  # a read: pooled
+            after.append(mid.chat.completions.create(model=MODEL, messages=ask).id)
+            server.ctl("stop")  # and again, with no call while it is away: the pooled
+            server.ctl("start")  # connections are dead, and found so before use
+            for key in ("pg-after", "pg-down"):
+                again = OpenAI(base_url=f"{proxy.url}/v1", api_key=key, max_retries=0)
+                after.append(again.chat.completions.create(model=MODEL, messages=ask).id)
+        finally:
+            proxy.__exit__(None, None, None)
+        calls = read_store(db, lambda s: _all_calls(s))
+    for resp in during:  # no answer goes out unrecorded, and no traceback
+        assert resp.status_code == 503 and "Traceback" not in resp.text, resp.text
+        assert "could not be recorded" in resp.text or "store is unavailable" in resp.text
+    assert [c.response["id"] for c in calls] == before + after and all(c.ok for c in calls)
