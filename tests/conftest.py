@@ -26,6 +26,7 @@ from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import CallRecord, SessionInfo, Store
 from tests.postgres import postgres_bin, temp_postgres
+from tests.stub_upstream import stub_app
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,13 @@ def make_proxy(tmp_path: Path) -> Iterator[Any]:
     yield start
     for thread in running:
         thread.__exit__(None, None, None)
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    """The base URL of a stub upstream (NOT vLLM), for tests of the proxy that need no model."""
+    with AppThread(stub_app()) as server:
+        yield f"{server.url}/v1"
 
 
 @pytest.fixture

@@ -3,20 +3,11 @@ since none of this depends on the model; the vLLM path of a created key is in te
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
-from proxy.server import AppThread
-from tests.stub_upstream import MODEL, stub_app
-
-
-@pytest.fixture
-def stub() -> Iterator[str]:
-    with AppThread(stub_app()) as server:
-        yield f"{server.url}/v1"
+from tests.stub_upstream import MODEL
 
 
 def test_admin_open_on_loopback_without_token(make_proxy: Any, stub: str) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,34 +122,34 @@ def lock_sqlite(path: str, seconds: float, held: threading.Event) -> None:
     conn.close()
 
 
-def proxy_with(tmp_path: Path, upstream: str, busy_timeout: float) -> tuple[AppThread, str]:
+@contextmanager
+def proxy_with(tmp_path: Path, busy_timeout: float) -> Iterator[tuple[AppThread, str]]:
+    """A proxy on a SQLite file with this busy timeout, in front of a stub upstream."""
     db = str(tmp_path / "locked.db")
-    app = create_app(Settings(upstream=upstream, db=db), store=Store(db, busy_timeout=busy_timeout))
-    return AppThread(app).__enter__(), db
+    with AppThread(stub_app()) as stub:
+        app = create_app(Settings(upstream=f"{stub.url}/v1", db=db), store=Store(db, busy_timeout=busy_timeout))
+        with AppThread(app) as proxy:
+            yield proxy, db
 
 
 def test_calls_wait_for_a_second_writer_and_all_are_recorded(tmp_path: Path) -> None:
-    with AppThread(stub_app()) as stub:
-        proxy, db = proxy_with(tmp_path, f"{stub.url}/v1", busy_timeout=30)
-        try:
-            client = OpenAI(base_url=f"{proxy.url}/v1", api_key="locked", max_retries=0)
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
-            held = threading.Event()
-            locker = threading.Thread(target=lock_sqlite, args=(db, 2.0, held))
-            locker.start()
-            held.wait()
-            started = time.monotonic()
-            replies: list[str] = []
-            workers = [threading.Thread(target=lambda i=i: replies.append(client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"during {i}"}]).id)) for i in range(8)]  # fmt: skip
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                worker.join(60)
-            waited = time.monotonic() - started
-            locker.join()
-        finally:
-            proxy.__exit__(None, None, None)
+    with proxy_with(tmp_path, busy_timeout=30) as (proxy, db):
+        client = OpenAI(base_url=f"{proxy.url}/v1", api_key="locked", max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
+        held = threading.Event()
+        locker = threading.Thread(target=lock_sqlite, args=(db, 2.0, held))
+        locker.start()
+        held.wait()
+        started = time.monotonic()
+        replies: list[str] = []
+        workers = [threading.Thread(target=lambda i=i: replies.append(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"during {i}"}]).id)) for i in range(8)]  # fmt: skip
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        waited = time.monotonic() - started
+        locker.join()
     assert len(replies) == 8 and waited >= 1.5  # they waited for the lock, then were answered
     calls = read_store(db, lambda s: _all_calls(s))
     assert sorted(c.response["id"] for c in calls[1:]) == sorted(replies)
@@ -155,25 +157,21 @@ def test_calls_wait_for_a_second_writer_and_all_are_recorded(tmp_path: Path) -> 
 
 
 def test_a_lock_held_too_long_answers_503_in_the_api_shape_and_loses_nothing(tmp_path: Path) -> None:
-    with AppThread(stub_app()) as stub:
-        proxy, db = proxy_with(tmp_path, f"{stub.url}/v1", busy_timeout=0.5)
-        try:
-            client = OpenAI(base_url=f"{proxy.url}/v1", api_key="stuck", max_retries=0)
-            first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
-            held = threading.Event()
-            locker = threading.Thread(target=lock_sqlite, args=(db, 3.0, held))
-            locker.start()
-            held.wait()
-            during = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "during"}]}
-            refused = httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "stuck"}, json=during)
-            anthropic = httpx.post(f"{proxy.url}/v1/messages", headers={"x-api-key": "stuck"}, json=during)
-            locker.join()
-            # The SDK retries a 503 by itself: with its default retries the harness never notices.
-            retried = OpenAI(base_url=f"{proxy.url}/v1", api_key="stuck").chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "after"}]
-            )
-        finally:
-            proxy.__exit__(None, None, None)
+    with proxy_with(tmp_path, busy_timeout=0.5) as (proxy, db):
+        client = OpenAI(base_url=f"{proxy.url}/v1", api_key="stuck", max_retries=0)
+        first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
+        held = threading.Event()
+        locker = threading.Thread(target=lock_sqlite, args=(db, 3.0, held))
+        locker.start()
+        held.wait()
+        during = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "during"}]}
+        refused = httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "stuck"}, json=during)
+        anthropic = httpx.post(f"{proxy.url}/v1/messages", headers={"x-api-key": "stuck"}, json=during)
+        locker.join()
+        # The SDK retries a 503 by itself: with its default retries the harness never notices.
+        retried = OpenAI(base_url=f"{proxy.url}/v1", api_key="stuck").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "after"}]
+        )
     assert refused.status_code == 503 and "Traceback" not in refused.text
     assert refused.json()["error"]["code"] == "store_unavailable"
     assert "could not be recorded" in refused.json()["error"]["message"]
@@ -183,21 +181,17 @@ def test_a_lock_held_too_long_answers_503_in_the_api_shape_and_loses_nothing(tmp
 
 
 def test_a_long_reader_does_not_hold_up_calls(tmp_path: Path) -> None:
-    with AppThread(stub_app()) as stub:
-        proxy, db = proxy_with(tmp_path, f"{stub.url}/v1", busy_timeout=0.5)
-        try:
-            client = OpenAI(base_url=f"{proxy.url}/v1", api_key="read", max_retries=0)
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
-            reader = sqlite3.connect(db, isolation_level=None)  # an export or trainer mid-read
-            reader.execute("BEGIN")
-            assert reader.execute("SELECT count(*) FROM calls").fetchone() == (1,)
-            for i in range(5):
-                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"{i}"}])
-            assert reader.execute("SELECT count(*) FROM calls").fetchone() == (1,)  # its snapshot
-            reader.execute("COMMIT")
-            reader.close()
-        finally:
-            proxy.__exit__(None, None, None)
+    with proxy_with(tmp_path, busy_timeout=0.5) as (proxy, db):
+        client = OpenAI(base_url=f"{proxy.url}/v1", api_key="read", max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
+        reader = sqlite3.connect(db, isolation_level=None)  # an export or trainer mid-read
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM calls").fetchone() == (1,)
+        for i in range(5):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"{i}"}])
+        assert reader.execute("SELECT count(*) FROM calls").fetchone() == (1,)  # its snapshot
+        reader.execute("COMMIT")
+        reader.close()
     assert len(read_store(db, lambda s: _all_calls(s))) == 6
 
 

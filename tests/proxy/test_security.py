@@ -4,13 +4,11 @@ tested against the real server in test_dev_routes.py; the admin token in test_ad
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from openai import OpenAI
 from sqlalchemy import create_engine, inspect, text
 
@@ -20,12 +18,6 @@ from recorder.store import sync_url
 from tests.stub_upstream import MODEL, stub_app
 
 HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-def stub() -> Iterator[str]:
-    with AppThread(stub_app()) as server:
-        yield f"{server.url}/v1"
 
 
 def test_a_session_cannot_read_or_write_another_sessions_data(make_proxy: Any, stub: str) -> None:
