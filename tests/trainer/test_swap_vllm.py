@@ -50,13 +50,16 @@ def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str
             first_chunks = asyncio.Semaphore(0)
 
             async def stream() -> str:
+                # min_tokens: no stream may stop (sample EOS) before the swap has paused it.
                 text = ""
                 response = await client.chat.completions.create(model=vllm.model, messages=PROMPT, max_tokens=96,
-                                                                temperature=1.0, stream=True)  # fmt: skip
+                                                                temperature=1.0, stream=True,
+                                                                extra_body={"min_tokens": 96})  # fmt: skip
                 async for chunk in response:
-                    if not text:
+                    delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                    if delta and not text:  # once per stream, at its first sampled text
                         first_chunks.release()
-                    text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                    text += delta
                 return text
 
             streams = [asyncio.create_task(stream()) for _ in range(16)]
@@ -77,7 +80,8 @@ def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str
     assert len(calls) == 18 and all(c.ok for c in calls)
     streamed = [c for c in calls if c.stream]
     # Every stream started before the swap and finished after it: both versions recorded.
-    assert all((c.policy_version, c.policy_version_end) == ("0", "1") for c in streamed)
+    versions = [(c.policy_version, c.policy_version_end) for c in streamed]
+    assert versions == [("0", "1")] * 16, versions
     assert (calls[0].policy_version, calls[-1].policy_version) == ("0", "1")
     assert calls[-1].policy_version_end == "1"
 
