@@ -64,7 +64,7 @@ async def models(request: Request) -> Response:
     return Response(await upstream.read(resp), resp.status, media_type="application/json")
 
 
-def validate(body: dict[str, Any], api: Api) -> None:
+def validate(body: dict[str, Any], api: Api, max_choices: int) -> None:
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     value = body.get(api.input_field)
@@ -74,12 +74,16 @@ def validate(body: dict[str, Any], api: Api) -> None:
         raise BadRequest(f"'{api.input_field}' is required and must be {kind}", param=api.input_field)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
+    # A call's recorded size is bounded by n x the completion cap, so n has a limit too.
+    n = body.get("n")
+    if n is not None and (type(n) is not int or not 1 <= n <= max_choices):
+        raise BadRequest(f"'n' must be an integer from 1 to {max_choices} (RLP_MAX_CHOICES)", param="n")
 
 
 async def forward(request: Request, api: Api) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings.max_body_bytes)
-    validate(body, api)
+    validate(body, api, state.settings.max_choices)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
     call = Call(state, api.name, session, state.store.next_seq(session.id), body, stream)

@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     max_completion_tokens: int | None = Field(
         2048, description="cap on a completion's length (harnesses often ask for none, or 32000)"
     )
+    max_choices: int = Field(16, description="largest 'n' (choices per call) a client may ask for")
     # Any other OpenAI-compatible upstream (a provider, a litellm proxy): calls are recorded as
     # text, without token ids, for distillation or evaluation; trajectories skip them.
     upstream_token_ids: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")

@@ -257,3 +257,19 @@ def test_a_limit_longer_than_the_context_is_fitted_to_it(make_proxy: Any, vllm: 
     client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=100_000, temperature=0)
     [call] = proxy.calls("s-context")
     assert call.ok and call.rewrites == {"max_tokens": [100_000, vllm.max_model_len]}
+
+
+def test_n_choices_recorded_each_and_n_over_the_limit_refused(make_proxy: Any, vllm: Upstream) -> None:
+    """n samples of one prompt (a GRPO group in one call) are each recorded token by token; an n
+    past RLP_MAX_CHOICES, which bounds a call's recorded size, is a 400 and reaches nobody."""
+    proxy = make_proxy(vllm.url, max_choices=3)
+    client = OpenAI(base_url=proxy.v1, api_key="s-n", max_retries=0)
+    reply = client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=6, n=3, temperature=1.0)
+    for n in (4, 0, "2"):
+        resp = httpx.post(f"{proxy.v1}/chat/completions", headers={"Authorization": "Bearer s-n"},
+                          json={"model": vllm.model, "messages": ASK, "n": n})  # fmt: skip
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
+    [call] = proxy.calls("s-n")
+    assert call.ok and [c.index for c in call.completions] == [0, 1, 2]
+    assert [c["message"]["content"] for c in call.response["choices"]] == [c.message.content for c in reply.choices]
+    assert all(0 < len(c.token_ids) == len(c.logprobs) <= 6 for c in call.completions)
