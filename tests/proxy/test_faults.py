@@ -1,11 +1,13 @@
-"""Faults the recording must survive: the proxy killed with SIGKILL under load, and a store that
-is locked by another writer or held open by a long reader. The upstream is the stub (NOT vLLM):
+"""Faults the recording must survive: the proxy killed with SIGKILL under load; a store that is
+locked by another writer, held open by a long reader, on a disk that fills up, or (PostgreSQL)
+crashed and restarted. The upstream is the stub (NOT vLLM):
 these tests are about the proxy and the store, and a fixed, fast upstream makes the load heavy.
 """
 
 from __future__ import annotations
 
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
+import pytest
 from openai import APIConnectionError, APIStatusError, OpenAI
 
 from proxy.app import create_app
@@ -224,3 +228,79 @@ def test_postgres_going_away_answers_503_then_recovers_by_itself(postgres: str, 
         assert resp.status_code == 503 and "Traceback" not in resp.text, resp.text
         assert "could not be recorded" in resp.text or "store is unavailable" in resp.text
     assert [c.response["id"] for c in calls] == before + after and all(c.ok for c in calls)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs of its own, to fill up; unmounted lazily (the proxy may still hold files)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with filler.open("wb", buffering=0) as out:
+        try:
+            while True:
+                out.write(b"\0" * 4096)
+        except OSError:  # ENOSPC: the disk is full
+            pass
+    return filler
+
+
+def test_a_full_disk_answers_503_and_loses_nothing(small_disk: Path) -> None:
+    """SQLite on a disk that fills up: calls are refused with 503 (the SDKs retry), what was
+    recorded before stays intact, and once there is room again calls are recorded as before."""
+    db = str(small_disk / "calls.db")
+    with AppThread(stub_app()) as stub, AppThread(create_app(Settings(upstream=f"{stub.url}/v1", db=db))) as proxy:
+        client = OpenAI(base_url=f"{proxy.url}/v1", api_key="full", max_retries=0)
+        ask = [{"role": "user", "content": "x" * 20_000}]  # the store has to grow with each call
+        before = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
+        filler = fill(small_disk)
+        during = [httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "full"}, timeout=60,
+                             json={"model": MODEL, "messages": ask}) for _ in range(10)]  # fmt: skip
+        filler.unlink()
+        after = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
+        health = httpx.get(f"{proxy.url}/healthz").json()
+    refused = [r for r in during if r.status_code != 200]
+    assert refused, "no call was refused on a full disk"
+    for resp in refused:
+        assert resp.status_code == 503 and "Traceback" not in resp.text, resp.text
+        assert resp.json()["error"]["code"] == "store_unavailable" and "full" in resp.json()["error"]["message"]
+    answered = [r.json()["id"] for r in during if r.status_code == 200]  # while SQLite still had room
+    calls = read_store(db, lambda s: _all_calls(s))
+    assert [c.response["id"] for c in calls] == before + answered + after
+    assert all(c.ok and c.request["messages"] == ask for c in calls)
+    assert health["status"] == "ok"
+
+
+def test_slow_clients_hold_up_neither_others_nor_the_store(make_proxy: Any, stub: str) -> None:
+    """200 slow-loris connections, each sending half a request body and then nothing: other
+    clients are answered meanwhile; one that ends its body late is answered and recorded; the
+    rest, cut off, leave nothing behind."""
+    proxy = make_proxy(stub)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "slow"}]})
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer slow\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    slow = [socket.create_connection((host, int(port))) for _ in range(200)]
+    for conn in slow:
+        conn.sendall(head + body[: len(body) // 2])
+    client = OpenAI(base_url=proxy.v1, api_key="quick", max_retries=0, timeout=30)
+    quick = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]).id
+             for _ in range(5)]  # fmt: skip
+    last = slow.pop()
+    last.sendall(body[len(body) // 2 :])
+    last.settimeout(30)
+    answer = last.recv(65536).decode()
+    for conn in [*slow, last]:
+        conn.close()
+    assert answer.startswith("HTTP/1.1 200"), answer[:300]
+    assert [c.response["id"] for c in proxy.calls("quick")] == quick
+    [late] = proxy.calls("slow")
+    assert late.ok and late.request["messages"] == [{"role": "user", "content": "slow"}]
