@@ -1,7 +1,7 @@
 """Faults the recording must survive: the proxy killed with SIGKILL under load; a store that is
 locked by another writer, held open by a long reader, on a disk that fills up, or (PostgreSQL)
-crashed and restarted. The upstream is the stub (NOT vLLM):
-these tests are about the proxy and the store, and a fixed, fast upstream makes the load heavy.
+crashed and restarted; slow clients. The upstream is the stub (NOT vLLM): these tests are
+about the proxy and the store, and a fixed, fast upstream makes the load heavy.
 """
 
 from __future__ import annotations
