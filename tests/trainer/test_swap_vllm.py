@@ -4,13 +4,16 @@ vLLM refuses. Both leave the shared server serving the prepared default weights 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from proxy.backend import VllmServer
 from tests.conftest import RunningProxy, Upstream
 from trainer.swap import SwapError, hot_swap, set_version
 
@@ -30,6 +33,12 @@ def changed(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+async def _announce(proxy: RunningProxy) -> None:
+    """What the trainer does while vLLM is paused: the proxy reads the new version."""
+    async with httpx.AsyncClient() as admin:
+        (await admin.post(f"{proxy.url}/admin/policy_version/refresh")).raise_for_status()
+
+
 async def _first_logprob(client: AsyncOpenAI, model: str) -> float:
     answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=1, temperature=0,
                                                   logprobs=True)  # fmt: skip
@@ -39,36 +48,31 @@ async def _first_logprob(client: AsyncOpenAI, model: str) -> float:
 def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str, changed: Path, base: Path) -> None:
     async def main() -> tuple[list[str | BaseException], float, float, float]:
         await set_version(restore, "0")
-        async with httpx.AsyncClient(base_url=proxy.url) as admin:
+        await _announce(proxy)
+        client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0)
+        before = await _first_logprob(client, vllm.model)
+        first_chunks = asyncio.Semaphore(0)
 
-            async def announce() -> None:
-                (await admin.post("/admin/policy_version/refresh")).raise_for_status()
+        async def stream() -> str:
+            # min_tokens: no stream may stop (sample EOS) before the swap has paused it.
+            text = ""
+            response = await client.chat.completions.create(model=vllm.model, messages=PROMPT, max_tokens=96,
+                                                            temperature=1.0, stream=True,
+                                                            extra_body={"min_tokens": 96})  # fmt: skip
+            async for chunk in response:
+                delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                if delta and not text:  # once per stream, at its first sampled text
+                    first_chunks.release()
+                text += delta
+            return text
 
-            await announce()
-            client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0)
-            before = await _first_logprob(client, vllm.model)
-            first_chunks = asyncio.Semaphore(0)
-
-            async def stream() -> str:
-                # min_tokens: no stream may stop (sample EOS) before the swap has paused it.
-                text = ""
-                response = await client.chat.completions.create(model=vllm.model, messages=PROMPT, max_tokens=96,
-                                                                temperature=1.0, stream=True,
-                                                                extra_body={"min_tokens": 96})  # fmt: skip
-                async for chunk in response:
-                    delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
-                    if delta and not text:  # once per stream, at its first sampled text
-                        first_chunks.release()
-                    text += delta
-                return text
-
-            streams = [asyncio.create_task(stream()) for _ in range(16)]
-            for _ in range(16):  # every stream has started sampling with the old weights
-                await first_chunks.acquire()
-            paused = await hot_swap([restore], changed, "1", base, announce)
-            results = await asyncio.gather(*streams, return_exceptions=True)
-            after = await _first_logprob(client, vllm.model)
-            return results, before, after, paused
+        streams = [asyncio.create_task(stream()) for _ in range(16)]
+        for _ in range(16):  # every stream has started sampling with the old weights
+            await first_chunks.acquire()
+        paused = await hot_swap([restore], changed, "1", base, lambda: _announce(proxy))
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        after = await _first_logprob(client, vllm.model)
+        return results, before, after, paused
 
     results, before, after, paused = asyncio.run(main())
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -107,3 +111,53 @@ def test_refused_reload_keeps_old_weights(proxy: RunningProxy, vllm: Upstream, r
     assert version == "0"
     with pytest.raises(SwapError, match="no safetensors"):
         asyncio.run(hot_swap([restore], tmp_path / "missing", "1", base))
+
+
+def test_two_replicas_pinned_swapped_and_one_lost(
+    make_proxy: Any, vllm: Upstream, restore: str, changed: Path, base: Path, tmp_path: Path
+) -> None:
+    """Two real vLLM servers behind one proxy (the shared one and a second of its own): each
+    session stays on the server the hash gives it, both record token ids, one hot swap moves
+    both to the new weights, and when the second dies its sessions go on on the first."""
+    from trainer.model import resolve_model
+
+    path, name = resolve_model("default")
+    with VllmServer(path, name, log_file=tmp_path / "second.log", max_model_len=vllm.max_model_len,
+                    extra_args=["--enforce-eager"]) as second:  # fmt: skip
+        urls = [vllm.url, second.base_url]
+        asyncio.run(set_version(restore, "0"))
+        asyncio.run(set_version(second.base_url.removesuffix("/v1"), "0"))
+        proxy = make_proxy(",".join(urls), version_poll_interval=0.2)
+        home: dict[str, str] = {}  # three sessions the hash puts on each server, chosen the way the proxy chooses
+        for key in (f"replica-{i}" for i in range(100)):
+            url = max(urls, key=lambda u: hashlib.sha256(f"{u}|{key}".encode()).digest())
+            if list(home.values()).count(url) < 3:
+                home[key] = url
+        assert len(home) == 6
+
+        def ask(key: str) -> float:
+            return asyncio.run(_first_logprob(AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0), vllm.model))
+
+        before = {key: ask(key) for key in home}
+        roots = [u.removesuffix("/v1") for u in urls]
+        asyncio.run(hot_swap(roots, changed, "1", base, lambda: _announce(proxy)))
+        after = {key: ask(key) for key in home}
+        second.stop()
+        lost = {key: ask(key) for key in home if home[key] == second.base_url}
+        health = httpx.get(f"{proxy.url}/healthz").json()["upstreams"]
+    calls = proxy.calls()
+    by_session: dict[str, list[Any]] = {}
+    for call in calls:
+        by_session.setdefault(call.session_id, []).append(call)
+    for key, url in home.items():
+        first, swapped, *rest = by_session[key]
+        assert (first.upstream, swapped.upstream) == (url, url)  # pinned where the hash put it
+        assert (first.policy_version, swapped.policy_version) == ("0", "1")
+        assert first.completions[0].token_ids and first.prompt_token_ids == swapped.prompt_token_ids
+        assert after[key] != pytest.approx(before[key], abs=1e-3)  # the new weights serve on both
+        for moved in rest:  # the second died: its sessions moved to the first, already swapped
+            assert moved.ok and moved.upstream == vllm.url and moved.policy_version == "1"
+            assert lost[key] == pytest.approx(after[key], abs=1e-3)
+    assert sorted(len(v) for v in by_session.values()) == [2, 2, 2, 3, 3, 3]
+    assert max(before.values()) - min(before.values()) < 1e-3  # one model on both: one answer
+    assert [u["alive"] for u in health] == [True, False]
