@@ -243,8 +243,9 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
             raw = b"" if call.upstream_stream and resp.ok else await call.upstream.read(resp)
             break
         except UpstreamDown as exc:  # never sent: the session moves to a live server, if any
-            if upstreams.for_session(call.session.id) is not call.upstream:
-                call.pin(upstreams.for_session(call.session.id))
+            moved = upstreams.for_session(call.session.id)
+            if moved is not call.upstream:
+                call.pin(moved)
                 continue
             await call.commit(call.record(Capture(), None, exc.status, exc.message))
             raise

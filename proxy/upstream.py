@@ -158,11 +158,15 @@ class Upstreams:
         self.members = members
         self._prober: asyncio.Task[None] | None = None
 
+    @staticmethod
+    def urls(value: str) -> list[str]:
+        """The base URLs in `--upstream`: comma-separated."""
+        return [url.strip() for url in value.split(",") if url.strip()]
+
     @classmethod
     def from_urls(cls, urls: str, *, timeout: float, connect_timeout: float, api_key: str | None) -> Upstreams:
-        """Comma-separated base URLs."""
-        return cls([Upstream(url.strip(), timeout=timeout, connect_timeout=connect_timeout, api_key=api_key)
-                    for url in urls.split(",") if url.strip()])  # fmt: skip
+        return cls([Upstream(url, timeout=timeout, connect_timeout=connect_timeout, api_key=api_key)
+                    for url in cls.urls(urls)])  # fmt: skip
 
     def live(self) -> list[Upstream]:
         """The members in rotation; all of them when none is (a call then fails on its own)."""

@@ -4,9 +4,9 @@ The upstream is the STUB (tests/stub_upstream.py, not vLLM) in its own process, 
 a fixed delay: the proxy and its store are under load, not a model. Each session talks one API
 (Chat Completions whole or streamed, Anthropic Messages, or Responses chained by
 previous_response_id) and sends its whole history every turn, for episodes of 24 turns, one
-session after another. Afterwards the store is read back
-and every answered call checked: there, in order, with the client's own turn in its request, the
-answer's id the client got and the stub's tokens. The proxy's RSS is sampled every second.
+session after another. Afterwards the store is read back and every answered call checked:
+there, in order, with the client's own turn in its request, the answer's id the client got and
+the stub's tokens. The proxy's RSS is sampled every second.
 
   python -m tests.soak --seconds 150            # `make soak`: SQLite, then PostgreSQL
   python -m tests.soak --bench                  # `make bench`: calls/s and added latency

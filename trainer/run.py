@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from harness_adapters.collect import proxy_for
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
+from proxy.upstream import Upstreams
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.grpo import Learner
@@ -109,7 +110,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     with proxy_for(config) as (url, model, db, upstream):
         if db is None or upstream is None:
             raise TrainError("training needs the proxy's store and its vLLM upstream")
-        replicas = [u.strip() for u in upstream.split(",") if u.strip()]  # every one is swapped
+        replicas = Upstreams.urls(upstream)  # every one is swapped
         roots = [u.removesuffix("/v1") for u in replicas]
         for replica in replicas:
             served = httpx.get(f"{replica}/models", timeout=30).json()["data"]

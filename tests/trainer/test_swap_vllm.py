@@ -4,7 +4,6 @@ vLLM refuses. Both leave the shared server serving the prepared default weights 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.backend import VllmServer
+from proxy.upstream import Upstreams
 from tests.conftest import RunningProxy, Upstream
 from trainer.swap import SwapError, hot_swap, set_version
 
@@ -128,9 +128,10 @@ def test_two_replicas_pinned_swapped_and_one_lost(
         asyncio.run(set_version(restore, "0"))
         asyncio.run(set_version(second.base_url.removesuffix("/v1"), "0"))
         proxy = make_proxy(",".join(urls), version_poll_interval=0.2)
-        home: dict[str, str] = {}  # three sessions the hash puts on each server, chosen the way the proxy chooses
+        pinning = Upstreams.from_urls(",".join(urls), timeout=1, connect_timeout=1, api_key=None)
+        home: dict[str, str] = {}  # three sessions the hash puts on each server
         for key in (f"replica-{i}" for i in range(100)):
-            url = max(urls, key=lambda u: hashlib.sha256(f"{u}|{key}".encode()).digest())
+            url = pinning.for_session(key).base_url
             if list(home.values()).count(url) < 3:
                 home[key] = url
         assert len(home) == 6
