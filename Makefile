@@ -26,7 +26,7 @@ demo: install
 	$(PY) -m proxy.cli demo
 
 test: install
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 # The long soak: 64 sessions, multi-turn, 150 s on SQLite then PostgreSQL (stub upstream),
 # and the fuzz with 200 examples per route.
