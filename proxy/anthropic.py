@@ -107,7 +107,7 @@ def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[
 @router.post("/messages", openapi_extra=openapi.MESSAGES)
 async def messages(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings)
     chat, tool_map = to_chat(body)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
@@ -193,7 +193,7 @@ async def _relay(
 async def count_tokens(request: Request) -> Response:
     """Input tokens of a Messages request, as the upstream's chat template renders them."""
     state: ProxyState = request.app.state.rlp
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings)
     chat, _ = to_chat({"max_tokens": 1, **body})
     await fit_to_backend(state, chat)
     tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}

@@ -58,6 +58,12 @@ class BodyTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class BodyTimeout(ProxyError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class StoreUnavailable(ProxyError):
     """The store could not take a write (locked, down): nothing is answered that is not recorded,
     and a 503 tells clients to retry, which the OpenAI and Anthropic SDKs do by themselves."""
@@ -88,7 +94,8 @@ def json_response(data: object, status: int = 200, headers: Mapping[str, str] | 
 
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # fmt: skip
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                   429: "rate_limit_error"}  # fmt: skip
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
@@ -106,7 +113,10 @@ def _answer(
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> Response:
-        return _answer(request, exc.status, exc.message, exc.type, exc.code, exc.param)
+        response = _answer(request, exc.status, exc.message, exc.type, exc.code, exc.param)
+        if isinstance(exc, BodyTimeout):  # the rest of its body may still come: not a new request
+            response.headers["connection"] = "close"
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -21,6 +21,7 @@ from fastapi import Request
 from proxy.capture import Capture, as_chunks
 from proxy.errors import (
     BadRequest,
+    BodyTimeout,
     BodyTooLarge,
     Forbidden,
     ProxyError,
@@ -30,6 +31,7 @@ from proxy.errors import (
     error_body,
 )
 from proxy.sessions import parse_key, request_key
+from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
@@ -47,16 +49,23 @@ class UpstreamError(ProxyError):
         self.body = body
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400/413 in the OpenAI error shape."""
+async def read_json(request: Request, settings: Settings) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400/408/413 in the OpenAI error shape. A client
+    that takes longer than `body_timeout` to send its body (slow loris) is answered 408 and its
+    connection closed, so stalled clients cannot pile up connections."""
+    limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
     raw = b""
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:
-            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(settings.body_timeout):
+            async for part in request.stream():
+                raw += part
+                if len(raw) > limit:
+                    raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+    except TimeoutError as exc:
+        raise BodyTimeout(f"the request body was not received within {settings.body_timeout:g} s") from exc
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -82,7 +82,7 @@ def validate(body: dict[str, Any], api: Api, max_choices: int) -> None:
 
 async def forward(request: Request, api: Api) -> Response:
     state: ProxyState = request.app.state.rlp
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings)
     validate(body, api, state.settings.max_choices)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))

@@ -183,7 +183,7 @@ def _empty_message(item: dict[str, Any]) -> bool:
 @router.post("/responses", openapi_extra=openapi.RESPONSES)
 async def responses(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings)
     validate(body)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))

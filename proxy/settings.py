@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     admin_token: str | None = Field(None, description="bearer token of /admin (needed off loopback)")
     create_sessions: bool = Field(True, description="create unknown sessions on first use")
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout: float = Field(60.0, description="seconds a client may take to send its request body")
     # What harnesses ask for that the backend cannot serve; every rewrite is recorded with the call.
     model_aliases: dict[str, str] = Field(default_factory=dict, description="requested model -> served model")
     route_unknown_models: bool = Field(True, description="send models the upstream does not serve to the policy")
