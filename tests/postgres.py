@@ -43,8 +43,9 @@ class Server:
 
 
 @contextmanager
-def temp_postgres() -> Iterator[Server]:
-    """A server of its own with a new, empty cluster; `url` is its `postgres` database."""
+def temp_postgres(home: Path | None = None) -> Iterator[Server]:
+    """A server of its own with a new, empty cluster (in `home`, or a temporary directory);
+    `url` is its `postgres` database."""
     given = os.environ.get("RLP_TEST_POSTGRES")
     if given:
         yield Server(given, lambda action: None)
@@ -54,7 +55,7 @@ def temp_postgres() -> Iterator[Server]:
         raise FileNotFoundError("PostgreSQL is not installed (apt-get install postgresql)")
     # PostgreSQL refuses to run as root: as root, the cluster belongs to Debian's postgres user.
     as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    home = Path(tempfile.mkdtemp(prefix="rlp-pg-"))
+    home = home or Path(tempfile.mkdtemp(prefix="rlp-pg-"))
     data, port = home / "data", _free_port()
     if as_user:
         shutil.chown(home, "postgres")

@@ -6,11 +6,14 @@ about the proxy and the store, and a fixed, fast upstream makes the load heavy.
 
 from __future__ import annotations
 
+import re
+import secrets
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -230,16 +233,29 @@ def test_postgres_going_away_answers_503_then_recovers_by_itself(postgres: str, 
     assert [c.response["id"] for c in calls] == before + after and all(c.ok for c in calls)
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 3 MiB tmpfs of its own, to fill up; unmounted lazily (the proxy may still hold files)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True)
+@contextmanager
+def small_disk(size: str) -> Iterator[Path]:
+    """A tmpfs of its own, to fill up; unmounted lazily (the proxy may still hold files). Not in
+    pytest's tmp_path, which PostgreSQL's user cannot enter."""
+    where = Path(tempfile.mkdtemp(prefix="rlp-disk-"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
     if mounted.returncode:
         pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+        where.rmdir()
+
+
+@contextmanager
+def store_on(disk: Path, kind: str) -> Iterator[str]:
+    """A store URL whose files are all on `disk`: a SQLite file, or a PostgreSQL cluster."""
+    if kind == "sqlite":
+        yield str(disk / "calls.db")
+        return
+    with temp_postgres(disk) as server:
+        yield new_database(server.url)
 
 
 def fill(disk: Path) -> Path:
@@ -253,27 +269,33 @@ def fill(disk: Path) -> Path:
     return filler
 
 
-def test_a_full_disk_answers_503_and_loses_nothing(small_disk: Path) -> None:
-    """SQLite on a disk that fills up: calls are refused with 503 (the SDKs retry), what was
-    recorded before stays intact, and once there is room again calls are recorded as before."""
-    db = str(small_disk / "calls.db")
-    with AppThread(stub_app()) as stub, AppThread(create_app(Settings(upstream=f"{stub.url}/v1", db=db))) as proxy:
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_full_disk_answers_503_and_loses_nothing(kind: str, request: pytest.FixtureRequest) -> None:
+    """The store on a disk that fills up: calls are refused with 503 (the SDKs retry), what was
+    recorded before stays intact, and once there is room again calls are recorded as before,
+    with neither the proxy nor the database restarted."""
+    if kind == "postgresql":
+        request.getfixturevalue("postgres")  # skipped (or, in CI, failed) without PostgreSQL
+    size = "3m" if kind == "sqlite" else "96m"  # a new cluster takes about 40 MB
+    with small_disk(size) as disk, store_on(disk, kind) as db, AppThread(stub_app()) as stub, \
+            AppThread(create_app(Settings(upstream=f"{stub.url}/v1", db=db))) as proxy:  # fmt: skip
         client = OpenAI(base_url=f"{proxy.url}/v1", api_key="full", max_retries=0)
-        ask = [{"role": "user", "content": "x" * 20_000}]  # the store has to grow with each call
+        ask = [{"role": "user", "content": secrets.token_hex(10_000)}]  # the store grows with each call
         before = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
-        filler = fill(small_disk)
+        filler = fill(disk)
         during = [httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "full"}, timeout=60,
                              json={"model": MODEL, "messages": ask}) for _ in range(10)]  # fmt: skip
         filler.unlink()
         after = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
         health = httpx.get(f"{proxy.url}/healthz").json()
+        calls = read_store(db, lambda s: _all_calls(s))
     refused = [r for r in during if r.status_code != 200]
     assert refused, "no call was refused on a full disk"
     for resp in refused:
         assert resp.status_code == 503 and "Traceback" not in resp.text, resp.text
-        assert resp.json()["error"]["code"] == "store_unavailable" and "full" in resp.json()["error"]["message"]
-    answered = [r.json()["id"] for r in during if r.status_code == 200]  # while SQLite still had room
-    calls = read_store(db, lambda s: _all_calls(s))
+        error = resp.json()["error"]
+        assert error["code"] == "store_unavailable" and re.search("disk is full|No space left", error["message"]), error
+    answered = [r.json()["id"] for r in during if r.status_code == 200]  # while the store still had room
     assert [c.response["id"] for c in calls] == before + answered + after
     assert all(c.ok and c.request["messages"] == ask for c in calls)
     assert health["status"] == "ok"
