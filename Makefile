@@ -32,7 +32,7 @@ test: install
 # and the fuzz with 200 examples per route.
 soak: install
 	$(PY) -m tests.soak --seconds 150
-	RLP_FUZZ_EXAMPLES=200 $(PY) -m pytest -q tests/proxy/test_fuzz.py
+	RLP_FUZZ_EXAMPLES=200 $(PY) -m pytest -q --timeout=0 tests/proxy/test_fuzz.py
 
 lint: install
 	$(PY) -m ruff check .

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import Upstream
@@ -21,7 +22,9 @@ def base() -> Path:
 
 @pytest.fixture
 def restore(vllm: Upstream, base: Path) -> Iterator[str]:
-    """The vLLM root; afterwards it serves the default weights again, as version 0."""
+    """The vLLM root; afterwards it serves the default weights again, as version 0, and is not
+    left paused by a test that failed mid-swap (every later test would wait on it)."""
     root = vllm.url.removesuffix("/v1")
     yield root
+    httpx.post(f"{root}/resume", timeout=60).raise_for_status()
     asyncio.run(hot_swap([root], base, "0", base))

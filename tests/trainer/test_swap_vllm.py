@@ -49,7 +49,7 @@ def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str
     async def main() -> tuple[list[str | BaseException], float, float, float]:
         await set_version(restore, "0")
         await _announce(proxy)
-        client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0)
+        client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0, timeout=120)
         before = await _first_logprob(client, vllm.model)
         first_chunks = asyncio.Semaphore(0)
 
@@ -105,7 +105,7 @@ def test_refused_reload_keeps_old_weights(proxy: RunningProxy, vllm: Upstream, r
 
     async def main() -> tuple[float, float, str]:
         await set_version(restore, "0")
-        client = AsyncOpenAI(base_url=proxy.v1, api_key="refused", max_retries=0)
+        client = AsyncOpenAI(base_url=proxy.v1, api_key="refused", max_retries=0, timeout=120)
         before = await _first_logprob(client, vllm.model)
         with pytest.raises(SwapError, match="refused the weights"):
             await hot_swap([restore], broken, "1", base)
@@ -144,7 +144,8 @@ def test_two_replicas_pinned_swapped_and_one_lost(
         assert len(home) == 6
 
         def ask(key: str) -> float:
-            return asyncio.run(_first_logprob(AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0), vllm.model))
+            client = AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0, timeout=120)
+            return asyncio.run(_first_logprob(client, vllm.model))
 
         before = {key: ask(key) for key in home}
         roots = [u.removesuffix("/v1") for u in urls]
