@@ -36,6 +36,19 @@ class Upstream:
     max_model_len: int
 
 
+VLLM_LOG: list[Path] = []  # the shared vLLM's log, once it is started
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used the shared vLLM shows the end of vLLM's log with its failure."""
+    report = yield
+    if report.failed and VLLM_LOG and "vllm" in getattr(item, "fixturenames", ()):
+        tail = VLLM_LOG[0].read_text(errors="replace").splitlines()[-40:]
+        report.sections.append(("end of the shared vLLM's log", "\n".join(tail)))
+    return report
+
+
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     """The real vLLM server with SmolLM2-135M-Instruct, shared by every test that needs it."""
@@ -48,6 +61,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
 
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    VLLM_LOG.append(log)
     # --enforce-eager: 45 s to start instead of 120 s (this CPU build recompiles at every start,
     # its compile cache fails to load); token ids, logprobs and the API are the same. 8192 tokens
     # of context (SmolLM2's own): Claude Code's prompt alone is about 7,600.
