@@ -34,17 +34,16 @@ class Upstream:
     url: str
     model: str
     max_model_len: int
-
-
-VLLM_LOG: list[Path] = []  # the shared vLLM's log, once it is started
+    log: Path | None = None  # None: a server started elsewhere (RLP_TEST_UPSTREAM)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """A failed test that used the shared vLLM shows the end of vLLM's log with its failure."""
     report = yield
-    if report.failed and VLLM_LOG and "vllm" in getattr(item, "fixturenames", ()):
-        tail = VLLM_LOG[0].read_text(errors="replace").splitlines()[-40:]
+    vllm = getattr(item, "funcargs", {}).get("vllm")
+    if report.failed and vllm is not None and vllm.log is not None:
+        tail = vllm.log.read_text(errors="replace").splitlines()[-40:]
         report.sections.append(("end of the shared vLLM's log", "\n".join(tail)))
     return report
 
@@ -61,13 +60,12 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
 
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    VLLM_LOG.append(log)
     # --enforce-eager: 45 s to start instead of 120 s (this CPU build recompiles at every start,
     # its compile cache fails to load); token ids, logprobs and the API are the same. 8192 tokens
     # of context (SmolLM2's own): Claude Code's prompt alone is about 7,600.
     with VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=["--enforce-eager"]) as server:
         server.wait_ready(900)
-        yield Upstream(server.base_url, name, 8192)
+        yield Upstream(server.base_url, name, 8192, log)
 
 
 @pytest.fixture(scope="session")

@@ -280,7 +280,8 @@ def test_a_full_disk_answers_503_and_loses_nothing(kind: str, request: pytest.Fi
     with small_disk(size) as disk, store_on(disk, kind) as db, AppThread(stub_app()) as stub, \
             AppThread(create_app(Settings(upstream=f"{stub.url}/v1", db=db))) as proxy:  # fmt: skip
         client = OpenAI(base_url=f"{proxy.url}/v1", api_key="full", max_retries=0)
-        ask = [{"role": "user", "content": secrets.token_hex(10_000)}]  # the store grows with each call
+        # 20 KB the store must add per call; random, as PostgreSQL would compress a repeated one.
+        ask = [{"role": "user", "content": secrets.token_hex(10_000)}]
         before = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
         filler = fill(disk)
         during = [httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "full"}, timeout=60,
