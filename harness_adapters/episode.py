@@ -21,6 +21,7 @@ import inspect
 import os
 import signal
 import sys
+import sysconfig
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -103,6 +104,14 @@ def template_values(task: Task, endpoint: Endpoint, workdir: Path) -> dict[str, 
     }  # fmt: skip
 
 
+def command_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a harness or reward command: ours plus `extra`, with this interpreter's
+    scripts directory first on PATH, so that a harness installed beside rl-proxy (`mini`, ...)
+    is found when its virtualenv is not activated."""
+    path = os.pathsep.join(filter(None, [sysconfig.get_path("scripts"), os.environ.get("PATH")]))
+    return {**os.environ, "PATH": path, **(extra or {})}
+
+
 def _artifacts(workdir: Path, skip: set[str]) -> list[str]:
     return sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*") if p.is_file() and p.name not in skip)
 
@@ -130,7 +139,7 @@ class CommandAdapter:
         values = template_values(task, endpoint, workdir)
         try:
             argv = [arg.format_map(values) for arg in self.argv]
-            env = {**os.environ, **endpoint.env(), **{k: v.format_map(values) for k, v in self.env.items()}}
+            env = command_env({**endpoint.env(), **{k: v.format_map(values) for k, v in self.env.items()}})
             for relative, content in self.files.items():
                 target = workdir / relative.format_map(values)
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +159,7 @@ class CommandAdapter:
             try:
                 code = await asyncio.wait_for(proc.wait(), timeout)
                 status, error = ("ok", None) if code == 0 else ("failed", f"exited with code {code}")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 status, error, code = "timeout", f"killed after {timeout:g} s", None
                 with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
                     os.killpg(proc.pid, signal.SIGTERM)
@@ -171,7 +180,7 @@ async def _guarded(work: Callable[[], Awaitable[Any]], timeout: float, workdir: 
     start = time.monotonic()
     try:
         result = await asyncio.wait_for(work(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Outcome("timeout", error=f"cancelled after {timeout:g} s", seconds=time.monotonic() - start)
     except Exception as exc:
         log = workdir / "agent.log"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from harness_adapters.episode import Endpoint, Outcome, load_callable, template_values
+from harness_adapters.episode import Endpoint, Outcome, command_env, load_callable, template_values
 from harness_adapters.tasks import Task
 
 JUDGE_PROMPT = """You grade an AI agent's work. Rubric:
@@ -85,12 +85,12 @@ class Reward:
     async def _command(self, task: Task, endpoint: Endpoint, workdir: Path) -> float:
         argv = [arg.format_map(template_values(task, endpoint, workdir)) for arg in self.command or []]
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=workdir, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *argv, cwd=workdir, env=command_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             raise RewardError(f"reward command timed out after {self.timeout:g} s") from None
         lines = out.decode(errors="replace").strip().splitlines()

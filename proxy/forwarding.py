@@ -309,6 +309,6 @@ async def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str,
             if "error" in chunk:
                 raise StreamBroken(str(chunk["error"].get("message", chunk["error"])))
             yield chunk
-    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
         raise StreamBroken(f"upstream stream failed: {exc!r}") from exc
     raise StreamBroken("upstream closed the stream before [DONE]")

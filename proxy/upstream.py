@@ -107,7 +107,7 @@ class Upstream:
                     return False
                 if resp.ok:
                     self.version = str((await resp.json(loads=orjson.loads)).get("weight_version"))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             log.warning("weight version not read from %s: %r", self.root, exc)
         return True
 
@@ -129,7 +129,7 @@ class Upstream:
                 return await self.session.request(method, url, data=data, headers=headers)
             except aiohttp.ServerDisconnectedError:  # a pooled connection the server had closed:
                 return await self.session.request(method, url, data=data, headers=headers)  # once more
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.base_url} timed out") from exc
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: the server is not there
             if self.alive:
@@ -143,7 +143,7 @@ class Upstream:
         """A whole response body; a read that stalls or breaks becomes a named proxy error."""
         try:
             return await resp.read()
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.base_url} timed out while answering") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"upstream {self.base_url} broke off its answer: {exc!r}") from exc

@@ -23,6 +23,7 @@ import sqlite3
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -116,13 +117,13 @@ def main() -> None:
         f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n      model: openai/{MODEL}\n"
         f"      api_base: {stub}\n      api_key: none\n"
     )
-    py = sys.executable
+    py, litellm = sys.executable, str(Path(sysconfig.get_path("scripts")) / "litellm")
     with (
         process([py, "-m", "tests.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
                 f"{stub}/models", work / "stub.log"),
         process([py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(db), "--port", str(rlp_port)],
                 f"http://127.0.0.1:{rlp_port}/healthz", work / "rl-proxy.log"),
-        process(["litellm", "--config", str(work / "litellm.yaml"), "--port", str(litellm_port)],
+        process([litellm, "--config", str(work / "litellm.yaml"), "--port", str(litellm_port)],
                 f"http://127.0.0.1:{litellm_port}/health/liveliness", work / "litellm.log",
                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
                      "LITELLM_MASTER_KEY": LITELLM_KEY}),

@@ -92,7 +92,7 @@ async def converse(http: aiohttp.ClientSession, base: str, worker: str, kind: st
         try:
             async with http.post(f"{base}/{path}", json=body, headers={"x-api-key": session}) as resp:
                 raw = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             load.errors.append(f"{session} turn {turn}: {exc!r}")
             return
         if resp.status != 200:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness_adapters.episode import CommandAdapter
+from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
 from tests.conftest import Upstream
@@ -29,7 +29,8 @@ MINI = CommandAdapter(
 def test_mini_swe_agent_runs_as_an_episode_and_every_call_is_recorded(
     make_proxy: Any, vllm: Upstream, tmp_path: Path
 ) -> None:
-    assert shutil.which("mini"), "mini-swe-agent is a dev dependency: run `make install`"
+    # Found beside this interpreter, as the adapter finds it, with or without an activated venv.
+    assert shutil.which("mini", path=command_env()["PATH"]), "mini-swe-agent is a dev dependency: run `make install`"
     proxy = make_proxy(vllm.url, max_completion_tokens=128)
     runner = EpisodeRunner(proxy.url, MINI, [], vllm.model, tmp_path, "mini", timeout=300)
     [result] = asyncio.run(runner.run_all([Task("hello", "Create a file hello.txt containing the word hello.")], 1))
