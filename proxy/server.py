@@ -14,8 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from proxy.app import create_app
-from proxy.backend import BackendError, VllmServer, free_port
 from proxy.settings import Settings
+from proxy.vllm import BackendError, VllmServer, free_port, resolve_model
 
 log = logging.getLogger("rl_proxy.server")
 
@@ -31,8 +31,6 @@ def backend_for(settings: Settings, progress: bool = True) -> Iterator[tuple[Set
     if settings.upstream is not None:
         yield settings, None
         return
-    from trainer.model import resolve_model  # torch and transformers only when launching
-
     path, name = resolve_model(settings.model)
     served = settings.served_model_name or name
     settings.log_dir.mkdir(parents=True, exist_ok=True)

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from platformdirs import user_data_dir
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
-def data_dir() -> Path:
-    """Per-user directory for the default database, prepared models and logs."""
-    return Path(user_data_dir("rl-proxy", appauthor=False))
-
-
-def default_db() -> str:
-    return f"sqlite+aiosqlite:///{data_dir() / 'rl-proxy.db'}"
-
+from recorder.paths import data_dir, default_db
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 

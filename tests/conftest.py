@@ -2,39 +2,26 @@
 test run), proxies on free ports, and a fresh database of either kind per test.
 
 Set RLP_TEST_UPSTREAM=http://127.0.0.1:PORT/v1 to reuse a vLLM that is already running, and
-RLP_TEST_POSTGRES=postgresql://... to reuse a PostgreSQL server (see tests/postgres.py).
+RLP_TEST_POSTGRES=postgresql://... to reuse a PostgreSQL server (see tests/support/postgres.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
-from sqlalchemy.engine import make_url
 
 from proxy.app import create_app
-from proxy.backend import VllmServer
 from proxy.server import AppThread
 from proxy.settings import Settings
-from recorder import CallRecord, SessionInfo, Store
-from tests.postgres import postgres_bin, temp_postgres
-from tests.stub_upstream import stub_app
-
-
-@dataclass(frozen=True)
-class Upstream:
-    url: str
-    model: str
-    max_model_len: int
-    log: Path | None = None  # None: a server started elsewhere (RLP_TEST_UPSTREAM)
+from proxy.vllm import VllmServer
+from tests.support.postgres import postgres_bin, temp_postgres
+from tests.support.stack import RunningProxy, Upstream, new_database
+from tests.support.stub_upstream import stub_app
 
 
 @pytest.hookimpl(wrapper=True)
@@ -56,7 +43,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
         served = httpx.get(f"{given}/models").json()["data"][0]
         yield Upstream(given, served["id"], served["max_model_len"])
         return
-    from trainer.model import resolve_model
+    from proxy.vllm import resolve_model
 
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
@@ -79,51 +66,12 @@ def postgres() -> Iterator[str]:
         yield server.url
 
 
-def new_database(server: str) -> str:
-    """A new, empty database on the server: each test starts from nothing, as with SQLite."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return make_url(server).set(database=name).render_as_string(hide_password=False)
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh store URL: a SQLite file, then a PostgreSQL database (the same test runs on both)."""
     if request.param == "sqlite":
         return str(tmp_path / "store.db")
     return new_database(request.getfixturevalue("postgres"))
-
-
-@dataclass
-class RunningProxy:
-    url: str
-    db: str
-    settings: Settings
-
-    @property
-    def v1(self) -> str:
-        return f"{self.url}/v1"
-
-    def calls(self, session_id: str | None = None) -> list[CallRecord]:
-        return read_store(self.db, lambda s: _collect(s.iter_calls(session_id)))
-
-    def sessions(self) -> list[SessionInfo]:
-        return read_store(self.db, lambda s: s.list_sessions())
-
-
-async def _collect(it: Any) -> list[Any]:
-    return [x async for x in it]
-
-
-def read_store(db: str, work: Any) -> Any:
-    """Read the database the way the trainer or CLI would: a fresh Store of its own."""
-
-    async def main() -> Any:
-        async with Store(db) as store:
-            return await work(store)
-
-    return asyncio.run(main())
 
 
 @pytest.fixture

@@ -35,12 +35,12 @@ from typing import Any, TypeVar
 
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
+from proxy.vllm import SwapError, hot_swap
 from recorder.records import SessionInfo
 from recorder.store import Store
 from recorder.trajectories import build_sequences
 from trainer.config import TrainConfig
 from trainer.grpo import Learner, Sample, advantages
-from trainer.swap import SwapError, hot_swap
 
 FAILING_GROUPS = 3
 T = TypeVar("T")

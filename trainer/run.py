@@ -19,11 +19,11 @@ from harness_adapters.collect import proxy_for
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
 from proxy.upstream import Upstreams
+from proxy.vllm import hot_swap, resolve_model, set_version
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.grpo import Learner
 from trainer.loop import LoopState, TrainError, TrainLoop, latest_checkpoint, plot
-from trainer.swap import hot_swap, set_version
 
 
 def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
@@ -77,8 +77,6 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
 def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run the whole loop; a summary (held-out success before and after, counts, seconds)."""
     from transformers.utils import logging as hf_logging
-
-    from trainer.model import resolve_model
 
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")  # 0.32 works for what is used
     hf_logging.disable_progress_bar()

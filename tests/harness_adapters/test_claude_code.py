@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from recorder.trajectories import build_sequences
-from tests.conftest import Upstream
+from tests.support.stack import Upstream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

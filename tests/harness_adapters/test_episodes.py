@@ -28,11 +28,11 @@ from harness_adapters.episode import (
 from harness_adapters.rewards import Reward
 from harness_adapters.runner import EpisodeResult, EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
-from proxy.cli import app
 from proxy.server import AppThread
 from recorder.trajectories import build_sequences
-from tests.conftest import RunningProxy, Upstream
-from tests.stub_upstream import MODEL, stub_app
+from tests.support.stack import RunningProxy, Upstream
+from tests.support.stub_upstream import MODEL, stub_app
+from trainer.cli import app
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parents[1] / "harness_adapters" / "examples" / "arithmetic"

@@ -14,7 +14,7 @@ import pytest
 from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
-from tests.conftest import Upstream
+from tests.support.stack import Upstream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from tests.stub_upstream import MODEL
+from tests.support.stub_upstream import MODEL
 
 
 def test_admin_open_on_loopback_without_token(make_proxy: Any, stub: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RunningProxy, Upstream
+from tests.support.stack import RunningProxy, Upstream
 
 pytestmark = pytest.mark.vllm
 

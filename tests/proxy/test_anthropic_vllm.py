@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.conftest import RunningProxy, Upstream
+from tests.support.stack import RunningProxy, Upstream, direct_chat
 
 pytestmark = pytest.mark.vllm
 
@@ -26,13 +26,6 @@ ADD = {
 
 def client(proxy: RunningProxy, key: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=proxy.url, api_key=key, max_retries=0)
-
-
-def direct_chat(vllm: Upstream, **body: Any) -> dict:
-    resp = httpx.post(f"{vllm.url}/chat/completions", json={"model": vllm.model, "return_token_ids": True, **body},
-                      timeout=120)  # fmt: skip
-    resp.raise_for_status()
-    return resp.json()
 
 
 def test_message_recorded_with_the_tokens_vllm_sampled(proxy: RunningProxy, vllm: Upstream) -> None:

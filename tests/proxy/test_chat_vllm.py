@@ -11,33 +11,13 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.conftest import RunningProxy, Upstream
+from tests.support.samples import ADD_TOOL, FORCE_ADD
+from tests.support.stack import RunningProxy, Upstream, direct_chat
 
 pytestmark = pytest.mark.vllm
 
 ASK = [{"role": "user", "content": "Name three colours."}]
 TOKENS = {"return_token_ids": True}
-ADD_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
-FORCE_ADD = {"type": "function", "function": {"name": "add"}}
-
-
-def direct(vllm: Upstream, **body: object) -> dict:
-    """The same call straight to vLLM, asking for token ids and logprobs."""
-    body = {"model": vllm.model, "return_token_ids": True, "logprobs": True, **body}
-    resp = httpx.post(f"{vllm.url}/chat/completions", json=body, timeout=120)
-    resp.raise_for_status()
-    return resp.json()
 
 
 def test_recorded_tokens_equal_what_vllm_returned(proxy: RunningProxy, vllm: Upstream) -> None:
@@ -70,7 +50,7 @@ def test_client_that_asks_nothing_sees_plain_vllm_answer(proxy: RunningProxy, vl
     assert raw["choices"][0]["logprobs"] is None
     assert raw.get("prompt_token_ids") is None and raw["choices"][0].get("token_ids") is None
     [call] = proxy.calls("s-plain")
-    reference = direct(vllm, messages=ASK, max_tokens=12, temperature=0)
+    reference = direct_chat(vllm, messages=ASK, max_tokens=12, temperature=0)
     assert call.prompt_token_ids == reference["prompt_token_ids"]
     assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
     assert len(call.completions[0].logprobs) == len(call.completions[0].token_ids) == 12
@@ -84,7 +64,7 @@ def test_streaming_is_relayed_and_every_token_recorded(proxy: RunningProxy, vllm
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) >= 20  # one chunk per token, not one buffered answer
     [call] = proxy.calls("s-stream")
-    reference = direct(vllm, messages=ASK, max_tokens=20, temperature=0)
+    reference = direct_chat(vllm, messages=ASK, max_tokens=20, temperature=0)
     assert call.stream and call.ok
     assert call.prompt_token_ids == reference["prompt_token_ids"]
     assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
@@ -132,7 +112,9 @@ def test_tool_calls_recorded(proxy: RunningProxy, vllm: Upstream, stream: bool) 
     assert call.response is not None
     recorded = call.response["choices"][0]["message"]["tool_calls"]
     assert [t["function"]["name"] for t in recorded] == ["add"]
-    reference = direct(vllm, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD, max_tokens=80, temperature=0)
+    reference = direct_chat(
+        vllm, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD, max_tokens=80, temperature=0
+    )
     assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
     assert (
         recorded[0]["function"]["arguments"]

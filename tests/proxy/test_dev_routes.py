@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import RunningProxy, Upstream
+from tests.support.stack import RunningProxy, Upstream
 
 DEV_ROUTES = ["/pause", "/resume", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/sleep",
               "/wake_up", "/is_paused", "/weight_info"]  # fmt: skip

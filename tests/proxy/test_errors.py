@@ -10,11 +10,11 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from proxy.backend import free_port
 from proxy.server import AppThread
+from proxy.vllm import free_port
 from recorder.trajectories import build_sequences
-from tests.conftest import Upstream
-from tests.stub_upstream import MODEL, stub_app
+from tests.support.stack import Upstream
+from tests.support.stub_upstream import MODEL, stub_app
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

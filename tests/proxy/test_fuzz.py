@@ -24,8 +24,8 @@ from proxy.errors import BadRequest
 from proxy.server import AppThread
 from proxy.sessions import MAX_LABEL, parse_key
 from proxy.settings import Settings
-from tests.conftest import new_database, read_store
-from tests.stub_upstream import COMPLETION, stub_app
+from tests.support.stack import new_database, read_store
+from tests.support.stub_upstream import COMPLETION, stub_app
 
 EXAMPLES = int(os.environ.get("RLP_FUZZ_EXAMPLES", "15"))
 

@@ -11,7 +11,7 @@ from openai import OpenAI
 
 from proxy.server import AppThread
 from recorder.trajectories import build_sequences
-from tests.stub_upstream import MODEL, stub_app
+from tests.support.stub_upstream import MODEL, stub_app
 
 ASK = [{"role": "user", "content": "Hi"}]
 

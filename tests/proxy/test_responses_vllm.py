@@ -13,8 +13,7 @@ import pytest
 from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
-from tests.conftest import RunningProxy, Upstream, read_store
-from tests.proxy.test_anthropic_vllm import direct_chat
+from tests.support.stack import RunningProxy, Upstream, direct_chat, read_store
 
 pytestmark = pytest.mark.vllm
 

@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, inspect, text
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder.store import sync_url
-from tests.stub_upstream import MODEL, stub_app
+from tests.support.stub_upstream import MODEL, stub_app
 
 HI = [{"role": "user", "content": "hi"}]
 

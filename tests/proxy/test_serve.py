@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.backend import free_port
+from proxy.vllm import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

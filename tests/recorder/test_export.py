@@ -82,7 +82,7 @@ async def test_sft_dataset_trains_one_step_with_trl(db: str, tmp_path: Path) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from trainer.model import prepare_default_model
+    from proxy.vllm import prepare_default_model
 
     out = tmp_path / "sft"
     async with Store(db) as store:

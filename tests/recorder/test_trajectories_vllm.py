@@ -9,8 +9,8 @@ from openai import OpenAI
 
 from recorder import CallRecord
 from recorder.trajectories import build_sequences
-from tests.conftest import RunningProxy, Upstream
-from tests.proxy.test_chat_vllm import ADD_TOOL, FORCE_ADD
+from tests.support.samples import ADD_TOOL, FORCE_ADD
+from tests.support.stack import RunningProxy, Upstream
 
 pytestmark = pytest.mark.vllm
 

@@ -9,9 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Upstream
-from trainer.model import resolve_model
-from trainer.swap import hot_swap
+from proxy.vllm import hot_swap, resolve_model
+from tests.support.stack import Upstream
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ CASES = [
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trainer.model import resolve_model
+    from proxy.vllm import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("default")[0])
     torch.manual_seed(0)

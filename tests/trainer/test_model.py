@@ -6,7 +6,8 @@ import json
 
 from transformers import AutoTokenizer
 
-from trainer.model import DEFAULT_NAME, prepare_default_model, resolve_model
+from proxy.vllm import prepare_default_model, resolve_model
+from recorder.paths import DEFAULT_MODEL_NAME
 
 
 def test_default_model_is_a_normal_hf_directory() -> None:
@@ -27,6 +28,6 @@ def test_prepared_once() -> None:
     before = (path / "model.safetensors").stat().st_mtime_ns
     assert prepare_default_model() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == before
-    assert resolve_model("default") == (str(path), DEFAULT_NAME)
+    assert resolve_model("default") == (str(path), DEFAULT_MODEL_NAME)
     assert resolve_model(str(path)) == (str(path), path.name)
     assert resolve_model("org/some-hub-model") == ("org/some-hub-model", "org/some-hub-model")

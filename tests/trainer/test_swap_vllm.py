@@ -12,10 +12,9 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.backend import VllmServer
 from proxy.upstream import Upstreams
-from tests.conftest import RunningProxy, Upstream
-from trainer.swap import SwapError, hot_swap, set_version
+from proxy.vllm import SwapError, VllmServer, hot_swap, set_version
+from tests.support.stack import RunningProxy, Upstream
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
@@ -126,7 +125,7 @@ def test_two_replicas_pinned_swapped_and_one_lost(
     """Two real vLLM servers behind one proxy (the shared one and a second of its own): each
     session stays on the server the hash gives it, both record token ids, one hot swap moves
     both to the new weights, and when the second dies its sessions go on on the first."""
-    from trainer.model import resolve_model
+    from proxy.vllm import resolve_model
 
     path, name = resolve_model("default")
     with VllmServer(path, name, log_file=tmp_path / "second.log", max_model_len=vllm.max_model_len,

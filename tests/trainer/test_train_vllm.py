@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from harness_adapters.config import load_config
-from proxy.cli import app
 from recorder import CallRecord, Store
-from tests.conftest import Upstream, read_store
+from tests.support.stack import Upstream, read_store
+from trainer.cli import app
 from trainer.config import TrainConfig
 from trainer.loop import LoopState, TrainError
 from trainer.run import train

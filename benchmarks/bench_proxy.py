@@ -1,7 +1,7 @@
 """Proxy overhead benchmark (`make bench`): rl-proxy and a LiteLLM proxy side by side.
 
 All targets answer the same request from the same fixed-latency STUB upstream
-(tests/stub_upstream.py, not vLLM), so what differs is each proxy's own cost:
+(tests/support/stub_upstream.py, not vLLM), so what differs is each proxy's own cost:
   direct    -> stub
   rl-proxy  -> stub   (recording every call into SQLite before answering)
   litellm   -> stub   (LiteLLM proxy, no database, default settings)
@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sqlite3
 import statistics
-import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
-import httpx
 
-from proxy.backend import free_port
-from tests.stub_upstream import MODEL
+from proxy.vllm import free_port
+from tests.support.load import p99
+from tests.support.stack import process
+from tests.support.stub_upstream import MODEL
 
 LITELLM_KEY = "sk-bench-only"
 ASK = "Say hello in five words."
@@ -44,35 +41,6 @@ API_BODIES = {  # path: request
     "messages": {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 16},
     "responses": {"model": MODEL, "input": ASK, "max_output_tokens": 16},
 }
-
-
-@contextmanager
-def process(
-    args: list[str], health: str, log: Path, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server in its own process, once its health URL answers; stopped afterwards."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{args[:3]} exited; see {log}")
-            try:
-                if httpx.get(health, timeout=1).status_code < 500:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{args[:3]} did not start; see {log}")
-            time.sleep(0.25)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 async def load(url: str, concurrency: int, requests: int, key: str, body: dict | None = None) -> list[float]:
@@ -97,10 +65,6 @@ async def load(url: str, concurrency: int, requests: int, key: str, body: dict |
     return latencies
 
 
-def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latency", type=float, default=0.05, help="stub upstream latency, seconds")
@@ -119,7 +83,7 @@ def main() -> None:
     )
     py, litellm = sys.executable, str(Path(sysconfig.get_path("scripts")) / "litellm")
     with (
-        process([py, "-m", "tests.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
+        process([py, "-m", "tests.support.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
                 f"{stub}/models", work / "stub.log"),
         process([py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(db), "--port", str(rlp_port)],
                 f"http://127.0.0.1:{rlp_port}/healthz", work / "rl-proxy.log"),

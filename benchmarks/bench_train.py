@@ -17,15 +17,14 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
+from benchmarks.bench_episodes import bench_vllm
 from harness_adapters.config import load_config
 from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
-from tests.bench_episodes import bench_vllm
+from proxy.vllm import hot_swap, resolve_model
 from trainer.config import TrainConfig
-from trainer.model import resolve_model
 from trainer.run import train
-from trainer.swap import hot_swap
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "harness_adapters" / "examples" / "arithmetic"
 

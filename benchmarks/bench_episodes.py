@@ -57,8 +57,7 @@ def bench_vllm(upstream: str | None, work: Path, max_model_len: int) -> Iterator
 
         yield upstream, httpx.get(f"{upstream}/models").json()["data"][0]["id"]
         return
-    from proxy.backend import VllmServer
-    from trainer.model import resolve_model
+    from proxy.vllm import VllmServer, resolve_model
 
     path, model = resolve_model("default")
     print("starting vLLM (eager) ...", flush=True)

