@@ -13,8 +13,8 @@ from proxy.anthropic import router as anthropic_router
 from proxy.anthropic import to_chat
 from proxy.errors import BadRequest, install_handlers
 from proxy.openai_api import router
+from proxy.responses import RecentResponses, warm
 from proxy.responses import router as responses_router
-from proxy.responses import warm
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.upstream import Upstreams
@@ -46,6 +46,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
 
     app = FastAPI(title="rl-proxy", lifespan=lifespan, dependencies=[Depends(no_nul)])
     app.state.rlp = ProxyState(settings, store, upstreams)
+    app.state.recent_responses = RecentResponses()
     install_handlers(app)
     for prefix in ("/v1", "/s/{session}/v1"):
         app.include_router(router, prefix=prefix)

@@ -129,6 +129,7 @@ class Call:
         self.started = utcnow()
         self.rewrites: dict[str, Any] = {}
         self.response_id: str | None = None
+        self.on_recorded: Callable[[CallRecord], None] | None = None  # called once it is committed
         self.pin(self.state.upstreams.for_session(self.session.id))
 
     def pin(self, upstream: Upstream) -> None:
@@ -201,6 +202,8 @@ class Call:
             # The database's own words, without SQLAlchemy's copy of the statement and the call.
             reason = getattr(exc, "orig", None) or exc
             raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {reason}") from exc
+        if self.on_recorded is not None:
+            self.on_recorded(call)
 
 
 def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -> None:

@@ -10,12 +10,14 @@ sent and saw them, and the response's id.
 `previous_response_id` is resolved from the store, so it survives a restart: the conversation
 is the earlier request's input and its response's output, back along the chain, then the new
 input. As with OpenAI, `instructions` are not carried over. A session can only continue its
-own responses.
+own responses. The most recently used answers are also kept in memory (`RecentResponses`), so
+that a chain of n turns costs n lookups rather than n queries.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
@@ -42,7 +44,7 @@ from proxy.forwarding import (
 )
 from proxy.litellm_bridge import jsonable, litellm
 from proxy.state import ProxyState
-from recorder import SessionInfo
+from recorder import CallRecord, SessionInfo
 
 API = "openai.responses"
 router = APIRouter()
@@ -51,6 +53,40 @@ TOOL_TYPES = ("function", "custom", "namespace")  # the rest (web_search, file_s
 INPUT_PARTS = ("input_text", "output_text", "text", "refusal")
 UNSUPPORTED = ("background", "conversation", "prompt")
 MAX_CHAIN = 10_000  # previous_response_id links followed before giving up
+
+
+class RecentResponses:
+    """The last answered Responses calls, by (session, response id), the least recently used
+    dropped first; the store is read on a miss (after a restart, or for an old response)."""
+
+    def __init__(self, size: int = 2048) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
+
+    def remember(self, call: CallRecord) -> None:
+        if call.ok and call.response_id and call.response:
+            key = (call.session_id, call.response_id)
+            self._items[key] = (call.request, call.response)
+            self._items.move_to_end(key)
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        found = self._items.get((session_id, response_id))
+        if found is None:
+            return None
+        self._items.move_to_end((session_id, response_id))
+        # A copy, as from the database: the translators may change what they are given.
+        return orjson.loads(orjson.dumps(found[0])), orjson.loads(orjson.dumps(found[1]))
+
+
+async def stored_response(
+    request: Request, session_id: str, response_id: str
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The request and answer of this session's answered response `response_id`."""
+    state: ProxyState = request.app.state.rlp
+    recent: RecentResponses = request.app.state.recent_responses
+    return recent.get(session_id, response_id) or await state.store.stored_response(session_id, response_id)
 
 
 def warm() -> None:
@@ -132,17 +168,17 @@ def _as_items(given: Any) -> list[Any]:
     return [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given or [])
 
 
-async def conversation(state: ProxyState, session: SessionInfo, body: dict[str, Any]) -> list[Any]:
-    """The whole input: the chain of earlier responses (from the store), then this input."""
+async def conversation(request: Request, session: SessionInfo, body: dict[str, Any]) -> list[Any]:
+    """The whole input: the chain of earlier responses, then this input."""
     parts = [_as_items(body.get("input"))]
     previous = body.get("previous_response_id")
     while previous is not None and len(parts) <= MAX_CHAIN:
-        found = await state.store.stored_response(session.id, previous)
+        found = await stored_response(request, session.id, previous)
         if found is None:
             raise BadRequest(f"previous response with id {previous!r} not found", param="previous_response_id")
-        request, response = found
-        parts.append(_as_items(request.get("input")) + list(response.get("output") or []))
-        previous = request.get("previous_response_id")
+        asked, answered = found
+        parts.append(_as_items(asked.get("input")) + list(answered.get("output") or []))
+        previous = asked.get("previous_response_id")
     return [item for part in reversed(parts) for item in part]
 
 
@@ -187,10 +223,11 @@ async def responses(request: Request) -> Response:
     validate(body)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
-    chat = to_chat(body, await conversation(state, session, body), stream)
+    chat = to_chat(body, await conversation(request, session, body), stream)
     ask_for_tokens(state, chat)
     call = Call(state, API, session, state.store.next_seq(session.id), body, stream)
     call.response_id = f"resp_{uuid.uuid4().hex}"
+    call.on_recorded = request.app.state.recent_responses.remember
     call.rewrites = await fit_to_backend(state, chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)
@@ -265,7 +302,7 @@ async def retrieve(request: Request, response_id: str) -> Response:
     """A stored response of this session."""
     state: ProxyState = request.app.state.rlp
     session = await session_for(request, state)
-    found = await state.store.stored_response(session.id, response_id)
+    found = await stored_response(request, session.id, response_id)
     if found is None:
         raise NotFound(f"response with id {response_id!r} not found")
     return json_response(found[1])

@@ -4,6 +4,7 @@ Token ids are stored as little-endian int32 arrays and logprobs as float32 array
 smaller than JSON text and read back without parsing). `SCHEMA_VERSION` is written to the
 `schema_version` table; a store written by a newer schema is refused rather than misread, and
 an older one is brought up to date by the statements in `MIGRATIONS` when it is opened.
+`async_url` and `sync_url` name one database for the async readers and the writer thread.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import sys
 from array import array
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import JSON, Connection, ForeignKey, LargeBinary, String, Text, UniqueConstraint, text
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -146,3 +148,25 @@ class RewardRow(Base):
     source: Mapped[str] = mapped_column(String(64))
     call_seq: Mapped[int | None]  # a reward for one call of the session; None: for the session
     created_at: Mapped[datetime]
+
+
+ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
+SYNC_DRIVERS = {"sqlite": "sqlite+pysqlite", "postgresql": "postgresql+psycopg"}
+
+
+def async_url(url: str) -> str:
+    """Accept plain paths and sync driver names; return an async SQLAlchemy URL."""
+    if "://" not in url:
+        return f"sqlite+aiosqlite:///{Path(url).expanduser().resolve()}"
+    parsed = make_url(url)
+    if parsed.drivername in ASYNC_DRIVERS:
+        parsed = parsed.set(drivername=ASYNC_DRIVERS[parsed.drivername])
+    return parsed.render_as_string(hide_password=False)
+
+
+def sync_url(url: str) -> str:
+    """The same database through a synchronous driver, for the writer thread."""
+    parsed = make_url(async_url(url))
+    return parsed.set(
+        drivername=SYNC_DRIVERS.get(parsed.get_backend_name(), parsed.get_backend_name())
+    ).render_as_string(hide_password=False)

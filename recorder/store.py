@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -38,7 +37,9 @@ from recorder.schema import (
     RewardRow,
     SchemaVersionRow,
     SessionRow,
+    async_url,
     key_digest,
+    sync_url,
 )
 
 log = logging.getLogger("rl_proxy.recorder")
@@ -46,7 +47,6 @@ log = logging.getLogger("rl_proxy.recorder")
 Op = Callable[[Connection], object]
 Write = CallRecord | Op
 MAX_BATCH = 512
-RECENT_RESPONSES = 2048
 
 
 class SchemaMismatch(RuntimeError):
@@ -55,28 +55,6 @@ class SchemaMismatch(RuntimeError):
 
 class SessionConflict(ValueError):
     """A session id is already taken by a session with another key."""
-
-
-ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
-SYNC_DRIVERS = {"sqlite": "sqlite+pysqlite", "postgresql": "postgresql+psycopg"}
-
-
-def async_url(url: str) -> str:
-    """Accept plain paths and sync driver names; return an async SQLAlchemy URL."""
-    if "://" not in url:
-        return f"sqlite+aiosqlite:///{Path(url).expanduser().resolve()}"
-    parsed = make_url(url)
-    if parsed.drivername in ASYNC_DRIVERS:
-        parsed = parsed.set(drivername=ASYNC_DRIVERS[parsed.drivername])
-    return parsed.render_as_string(hide_password=False)
-
-
-def sync_url(url: str) -> str:
-    """The same database through a synchronous driver, for the writer thread."""
-    parsed = make_url(async_url(url))
-    return parsed.set(
-        drivername=SYNC_DRIVERS.get(parsed.get_backend_name(), parsed.get_backend_name())
-    ).render_as_string(hide_password=False)
 
 
 def utcnow() -> datetime:
@@ -185,9 +163,6 @@ class Store:
         self._seq: dict[str, int] = {}
         self._creating: dict[str, asyncio.Future[None]] = {}  # key digest: its session's insert
         self._new_ids: set[str] = set()  # ids of those sessions
-        # Recent answered Responses calls, so that a previous_response_id chain of n turns is n
-        # dictionary lookups rather than n queries (the store is read on a miss).
-        self._responses: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
         self.write_failures = 0
         self.committed_batches = 0
 
@@ -304,11 +279,7 @@ class Store:
                 await self._commit([one])
             return
         self.committed_batches += 1
-        for write, done in batch:
-            if isinstance(write, CallRecord) and write.ok and write.response_id and write.response:
-                self._responses[write.session_id, write.response_id] = (write.request, write.response)
-                if len(self._responses) > RECENT_RESPONSES:
-                    self._responses.popitem(last=False)
+        for _, done in batch:
             _settle(done, None)
 
     def record_nowait(self, call: CallRecord) -> asyncio.Future[None]:
@@ -460,9 +431,6 @@ class Store:
 
     async def stored_response(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The request and answer of a session's answered Responses call with this id."""
-        recent = self._responses.get((session_id, response_id))
-        if recent is not None:  # a copy, as from the database: translators may change what they get
-            return orjson.loads(orjson.dumps(recent[0])), orjson.loads(orjson.dumps(recent[1]))
         query = select(CallRow.request, CallRow.response).where(
             CallRow.response_id == response_id, CallRow.session_id == session_id, CallRow.ok.is_(True)
         )

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from proxy.capture import Capture, client_view
+from proxy.responses import RecentResponses
 from proxy.sessions import parse_key
+from tests.support.samples import call
 
 
 def test_plain_key_names_the_session_but_a_secret_one_does_not() -> None:
@@ -67,3 +71,18 @@ def test_client_view_nulls_only_what_was_not_asked() -> None:
     }  # fmt: skip
     chunk = {"choices": [{"delta": {}, "logprobs": {"content": [{"logprob": -1}]}}]}
     assert client_view(chunk, keep_tokens=True, keep_logprobs=False) == {"choices": [{"delta": {}, "logprobs": None}]}
+
+
+def test_recent_responses_drop_the_least_recently_used() -> None:
+    """A long previous_response_id chain keeps reading its oldest turns: reading one keeps it."""
+    recent = RecentResponses(size=2)
+    first, second, third = (replace(call("s", n, [n]), response_id=f"resp_{n}") for n in (1, 2, 3))
+    recent.remember(first)
+    recent.remember(second)
+    assert recent.get("s", "resp_1") == (first.request, first.response)
+    recent.remember(third)  # the full cache drops resp_2, read less recently than resp_1
+    assert recent.get("s", "resp_1") is not None and recent.get("s", "resp_3") is not None
+    assert recent.get("s", "resp_2") is None
+    assert recent.get("other-session", "resp_1") is None
+    recent.remember(replace(call("s", 4, [4], ok=False), response_id="resp_4"))  # a failed call is not kept
+    assert recent.get("s", "resp_4") is None
