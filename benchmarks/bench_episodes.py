@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from harness_adapters.episode import PythonAdapter, load_callable
-from harness_adapters.rewards import Reward
+from harness_adapters.rewards import PythonReward
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
 from proxy.app import create_app
@@ -28,7 +28,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "harness_adapters" / "examples" 
 def measure(upstream: str, model: str, levels: list[int], per_level: int, work: Path) -> list[dict[str, float]]:
     agent = f"{EXAMPLE / 'agent.py'}"
     adapter = PythonAdapter(load_callable(f"{agent}:agent"))
-    rewards = [Reward("python", function=f"{agent}:score")]
+    rewards = [PythonReward(function=f"{agent}:score")]
     tasks = load_tasks(EXAMPLE / "tasks.jsonl", "train")
     rows = []
     with AppThread(create_app(Settings(upstream=upstream, db=str(work / "bench.db")))) as proxy:

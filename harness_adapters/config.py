@@ -21,12 +21,12 @@ Unknown keys are refused by name. Paths are relative to the config file. Example
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from harness_adapters.episode import (
     Adapter,
@@ -36,49 +36,71 @@ from harness_adapters.episode import (
     PythonAdapter,
     load_callable,
 )
-from harness_adapters.rewards import Reward
+from harness_adapters.rewards import Reward, RewardSource
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and the file."""
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """Unknown keys are refused by name."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class HarnessConfig(_Strict):
-    type: Literal["python", "command", "agents_sdk", "langchain"]
-    agent: str | None = Field(None, description="python: module:function or file.py:function")
-    argv: list[str] | None = Field(None, description="command: the command line, templated")
-    env: dict[str, str] = Field(default_factory=dict, description="command: extra variables, templated")
-    files: dict[str, str] = Field(default_factory=dict, description="command: files to write in the workdir")
-    make_agent: str | None = Field(None, description="agents_sdk, langchain: the factory")
+class PythonHarness(Strict):
+    """An agent written as a Python function, run in this process."""
+
+    type: Literal["python"]
+    agent: str = Field(description="module:function or file.py:function")
+
+    def adapter(self, path: Callable[[str], str]) -> Adapter:
+        return PythonAdapter(load_callable(path(self.agent)))
+
+
+class CommandHarness(Strict):
+    """Any CLI harness, run as a process in the episode's workdir."""
+
+    type: Literal["command"]
+    argv: list[str] = Field(description="the command line, templated")
+    env: dict[str, str] = Field(default_factory=dict, description="extra variables, templated")
+    files: dict[str, str] = Field(default_factory=dict, description="files to write in the workdir")
+
+    def adapter(self, path: Callable[[str], str]) -> Adapter:
+        return CommandAdapter(list(self.argv), self.env, self.files)
+
+
+class AgentsSdkHarness(Strict):
+    """An OpenAI Agents SDK agent, from a factory."""
+
+    type: Literal["agents_sdk"]
+    make_agent: str = Field(description="the factory: module:function or file.py:function")
     api: Literal["responses", "chat"] = "responses"
-    use_responses_api: bool = False
     max_turns: int = 10
 
-    @model_validator(mode="after")
-    def needed(self) -> HarnessConfig:
-        need = {"python": "agent", "command": "argv", "agents_sdk": "make_agent", "langchain": "make_agent"}[self.type]
-        if not getattr(self, need):
-            raise ValueError(f"a {self.type} harness needs '{need}'")
-        return self
+    def adapter(self, path: Callable[[str], str]) -> Adapter:
+        return AgentsSdkAdapter(load_callable(path(self.make_agent)), self.api, self.max_turns)
 
 
-class RewardConfig(_Strict):
-    type: Literal["python", "command", "harness", "judge"]
-    weight: float = 1.0
-    function: str | None = None
-    command: list[str] | None = None
-    timeout: float = 120.0
-    rubric: str | None = None
-    judge_model: str | None = None
-    judge_base_url: str | None = None
-    judge_api_key_env: str | None = Field(None, description="the variable holding the judge's API key")
+class LangChainHarness(Strict):
+    """A LangChain or LangGraph runnable, from a factory."""
+
+    type: Literal["langchain"]
+    make_agent: str = Field(description="the factory: module:function or file.py:function")
+    use_responses_api: bool = False
+
+    def adapter(self, path: Callable[[str], str]) -> Adapter:
+        return LangChainAdapter(load_callable(path(self.make_agent)), self.use_responses_api)
 
 
-class ProxyConfig(_Strict):
+# The kinds a config's `harness:` may name, told apart by `type`.
+HarnessConfig = Annotated[
+    PythonHarness | CommandHarness | AgentsSdkHarness | LangChainHarness, Field(discriminator="type")
+]
+
+
+class ProxyConfig(Strict):
     url: str | None = Field(None, description="use this running rl-proxy (its root URL) instead of starting one")
     admin_token: str | None = None
     upstream: str | None = Field(None, description="attach the proxy to this OpenAI-compatible base URL")
@@ -91,7 +113,7 @@ class ProxyConfig(_Strict):
     vllm_args: list[str] = Field(default_factory=list, description="extra arguments of a launched vLLM")
 
 
-class CollectConfig(_Strict):
+class CollectConfig(Strict):
     run: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     tasks: str
     split: Literal["train", "heldout", "all"] = "all"
@@ -101,7 +123,7 @@ class CollectConfig(_Strict):
     success_at: float = Field(1.0, description="an episode succeeds with at least this reward")
     out: str | None = Field(None, description="workdirs, results and the store [default: runs/<run>]")
     harness: HarnessConfig
-    rewards: list[RewardConfig] = Field(default_factory=list)
+    rewards: list[Reward] = Field(default_factory=list)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
 
     base: Path = Field(Path("."), exclude=True, description="the config file's directory")
@@ -119,28 +141,18 @@ class CollectConfig(_Strict):
         return Path(self.out) if self.out else Path("runs") / self.run
 
     def adapter(self) -> Adapter:
-        h = self.harness
         try:
-            if h.type == "python":
-                return PythonAdapter(load_callable(self.path(h.agent or "")))
-            if h.type == "command":
-                return CommandAdapter(list(h.argv or []), h.env, h.files)
-            factory = load_callable(self.path(h.make_agent or ""))
-            if h.type == "agents_sdk":
-                return AgentsSdkAdapter(factory, h.api, h.max_turns)
-            return LangChainAdapter(factory, h.use_responses_api)
+            return self.harness.adapter(self.path)
         except (ValueError, ImportError, OSError) as exc:
             raise ConfigError(f"harness: {exc}") from exc
 
-    def reward_sources(self) -> list[Reward]:
+    def reward_sources(self) -> list[RewardSource]:
+        """The rewards with their references resolved (one that cannot be loaded is named now,
+        before any episode runs)."""
         sources = []
-        for i, r in enumerate(self.rewards):
-            fields = r.model_dump(exclude={"judge_api_key_env"})
-            if r.function:
-                fields["function"] = self.path(r.function)
-            key = os.environ.get(r.judge_api_key_env) if r.judge_api_key_env else None
+        for i, source in enumerate(self.rewards):
             try:
-                sources.append(Reward(**fields, judge_api_key=key))
+                sources.append(source.resolved(self.path))
             except (ValueError, ImportError, OSError) as exc:
                 raise ConfigError(f"rewards[{i}]: {exc}") from exc
         return sources

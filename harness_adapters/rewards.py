@@ -19,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from harness_adapters.episode import Endpoint, Outcome, command_env, load_callable, template_values
 from harness_adapters.tasks import Task
@@ -43,47 +46,54 @@ class RewardError(Exception):
     """A reward source failed or gave something that is not a finite number."""
 
 
-@dataclass
-class Reward:
-    type: Literal["python", "command", "harness", "judge"]
+class RewardSource(BaseModel):
+    """One source of an episode's reward: its `type` names it in the config and in the store."""
+
+    model_config = ConfigDict(extra="forbid")
+    stored: ClassVar[bool] = False  # its value is in the store already (posted by the harness)
+    type: str
     weight: float = 1.0
-    function: str | None = None  # python
-    command: list[str] | None = None  # command
-    timeout: float = 120.0  # command, judge
-    rubric: str | None = None  # judge
-    judge_model: str | None = None
-    judge_base_url: str | None = None
-    judge_api_key: str | None = None
 
-    def __post_init__(self) -> None:
-        needed = {"python": self.function, "command": self.command, "judge": self.rubric and self.judge_model}
-        if self.type in needed and not needed[self.type]:
-            what = {"python": "'function'", "command": "'command'", "judge": "'rubric' and 'judge_model'"}[self.type]
-            raise ValueError(f"a {self.type} reward needs {what}")
-        if self.type == "harness" and self.weight != 1.0:
-            raise ValueError("a harness reward is taken as the harness posted it: its weight must be 1")
-        self._verifier = load_callable(self.function) if self.type == "python" and self.function else None
+    def resolved(self, path: Callable[[str], str]) -> RewardSource:
+        """This source with its file references relative to the config's directory."""
+        return self
 
-    async def score(self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path) -> float:
-        """This source's value for one episode (unweighted)."""
-        try:
-            if self.type == "python":
-                value = self._verifier(task, outcome)  # type: ignore[misc]
-                value = await value if inspect.isawaitable(value) else value
-            elif self.type == "command":
-                value = await self._command(task, endpoint, workdir)
-            elif self.type == "judge":
-                value = await self._judge(task, outcome)
-            else:
-                raise RewardError("harness rewards are read from the store, not scored")
-        except RewardError:
-            raise
-        except Exception as exc:
-            raise RewardError(f"{self.type} reward failed: {type(exc).__name__}: {exc}") from exc
-        return finite(value, f"{self.type} reward")
+    async def score(
+        self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
+    ) -> float:
+        """This source's value for one episode (unweighted); `posted` is what the harness
+        posted itself, if anything."""
+        raise NotImplementedError
 
-    async def _command(self, task: Task, endpoint: Endpoint, workdir: Path) -> float:
-        argv = [arg.format_map(template_values(task, endpoint, workdir)) for arg in self.command or []]
+
+class PythonReward(RewardSource):
+    type: Literal["python"] = "python"
+    function: str = Field(description="module:function or file.py:function")
+    _verifier: Callable[..., Any] | None = PrivateAttr(None)
+
+    def resolved(self, path: Callable[[str], str]) -> PythonReward:
+        resolved = self.model_copy(update={"function": path(self.function)})
+        resolved._verifier = load_callable(resolved.function)  # a wrong reference is named now
+        return resolved
+
+    async def score(
+        self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
+    ) -> float:
+        if self._verifier is None:
+            self._verifier = load_callable(self.function)
+        value = self._verifier(task, outcome)
+        return await value if inspect.isawaitable(value) else value  # type: ignore[no-any-return]
+
+
+class CommandReward(RewardSource):
+    type: Literal["command"] = "command"
+    command: list[str]
+    timeout: float = 120.0
+
+    async def score(
+        self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
+    ) -> float:
+        argv = [arg.format_map(template_values(task, endpoint, workdir)) for arg in self.command]
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=workdir, env=command_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
@@ -99,19 +109,67 @@ class Reward:
         except ValueError:
             return float(proc.returncode == 0)
 
-    async def _judge(self, task: Task, outcome: Outcome) -> float:
+
+class HarnessReward(RewardSource):
+    type: Literal["harness"] = "harness"
+    stored: ClassVar[bool] = True
+
+    @field_validator("weight")
+    @classmethod
+    def as_posted(cls, weight: float) -> float:
+        if weight != 1.0:
+            raise ValueError("a harness reward is taken as the harness posted it: its weight must be 1")
+        return weight
+
+    async def score(
+        self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
+    ) -> float:
+        if posted is None:
+            raise RewardError("the harness posted no reward")
+        return posted
+
+
+class JudgeReward(RewardSource):
+    type: Literal["judge"] = "judge"
+    rubric: str
+    judge_model: str
+    judge_base_url: str | None = None
+    judge_api_key_env: str | None = Field(None, description="the variable holding the judge's API key")
+    timeout: float = 120.0
+
+    async def score(
+        self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
+    ) -> float:
         from proxy.litellm_bridge import litellm
 
         prompt = JUDGE_PROMPT.format(rubric=self.rubric, prompt=task.prompt, output=outcome.output[-8000:])
+        key = os.environ.get(self.judge_api_key_env) if self.judge_api_key_env else None
         reply = await litellm().acompletion(
             model=self.judge_model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=16,
-            api_base=self.judge_base_url, api_key=self.judge_api_key, timeout=self.timeout,
+            api_base=self.judge_base_url, api_key=key, timeout=self.timeout,
         )  # fmt: skip
         text = reply.choices[0].message.content or ""
         found = re.search(r"-?\d+(?:\.\d+)?", text)
         if found is None:
             raise RewardError(f"the judge answered no number: {text[:200]!r}")
         return float(found.group())
+
+
+# The kinds a config's `rewards:` may name, told apart by `type`.
+Reward = Annotated[PythonReward | CommandReward | HarnessReward | JudgeReward, Field(discriminator="type")]
+
+
+async def weighted(
+    source: RewardSource, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
+) -> float:
+    """The source's weighted value, or RewardError naming the source."""
+    try:
+        value = await source.score(task, outcome, endpoint, workdir, posted)
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(f"{source.type} reward failed: {type(exc).__name__}: {exc}") from exc
+    return source.weight * finite(value, f"{source.type} reward")
 
 
 def finite(value: Any, what: str) -> float:

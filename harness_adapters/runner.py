@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from harness_adapters.episode import Adapter, Endpoint, Outcome
-from harness_adapters.rewards import Reward, RewardError, finite
+from harness_adapters.rewards import RewardError, RewardSource, weighted
 from harness_adapters.tasks import Task
 
 
@@ -50,7 +50,7 @@ class EpisodeResult:
 class EpisodeRunner:
     proxy_url: str
     adapter: Adapter
-    rewards: list[Reward]
+    rewards: list[RewardSource]
     model: str
     workdir: Path
     run: str
@@ -113,18 +113,11 @@ class EpisodeRunner:
         workdir: Path, posted: float | None,
     ) -> float:  # fmt: skip
         """Score with every source first (nothing is posted if one fails), then post each part."""
-        parts: list[tuple[str, float]] = []
-        for reward in self.rewards:
-            if reward.type == "harness":
-                if posted is None:
-                    raise RewardError("the harness posted no reward")
-                parts.append(("harness", finite(posted, "the harness's reward")))
-                continue
-            parts.append((reward.type, reward.weight * await reward.score(task, outcome, endpoint, workdir)))
+        parts = [(source, await weighted(source, task, outcome, endpoint, workdir, posted)) for source in self.rewards]
         for source, value in parts:
-            if source != "harness":  # already in the store
-                answer = await admin.post(f"/admin/sessions/{session_id}/reward", json={"value": value,
-                                                                                       "source": source})  # fmt: skip
+            if not source.stored:
+                reward = {"value": value, "source": source.type}
+                answer = await admin.post(f"/admin/sessions/{session_id}/reward", json=reward)
                 answer.raise_for_status()
         return sum(value for _, value in parts)
 

@@ -24,11 +24,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from harness_adapters.config import CollectConfig, _Strict
+from harness_adapters.config import CollectConfig, Strict
 from trainer.grpo import GRPO_KEYS
 
 
-class TrainSection(_Strict):
+class TrainSection(Strict):
     steps: int = Field(20, ge=1)
     groups_per_step: int = Field(4, ge=1)
     mode: Literal["async", "sync"] = "async"
@@ -49,7 +49,7 @@ class TrainSection(_Strict):
         return self
 
 
-class EvalSection(_Strict):
+class EvalSection(Strict):
     split: Literal["train", "heldout", "all"] = "heldout"
     episodes_per_task: int = Field(4, ge=1)
     every: int = Field(0, ge=0, description="steps between evaluations; 0: only before and after")

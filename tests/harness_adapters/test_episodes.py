@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import sqlite3
 import sys
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from harness_adapters.config import CollectConfig, ConfigError, load_config
 from harness_adapters.episode import (
     AgentsSdkAdapter,
     CommandAdapter,
@@ -25,7 +27,7 @@ from harness_adapters.episode import (
     PythonAdapter,
     load_callable,
 )
-from harness_adapters.rewards import Reward
+from harness_adapters.rewards import CommandReward, HarnessReward, JudgeReward, PythonReward, RewardSource
 from harness_adapters.runner import EpisodeResult, EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
 from proxy.server import AppThread
@@ -39,7 +41,7 @@ EXAMPLE = HERE.parents[1] / "harness_adapters" / "examples" / "arithmetic"
 TASKS = [Task("hello", "Say hello."), Task("colours", "Name a colour.")]
 
 
-def run(proxy: RunningProxy, model: str, adapter: Any, rewards: list[Reward], tasks: list[Task], tmp_path: Path,
+def run(proxy: RunningProxy, model: str, adapter: Any, rewards: list[RewardSource], tasks: list[Task], tmp_path: Path,
         episodes: int = 1, timeout: float = 120) -> list[EpisodeResult]:  # fmt: skip
     runner = EpisodeRunner(proxy.url, adapter, rewards, model, tmp_path / "work", "test", timeout, concurrency=4)
     return asyncio.run(runner.run_all(tasks, episodes))
@@ -81,7 +83,7 @@ def test_command_adapter_runs_a_cli_agent_scored_by_itself_and_a_command(
 ) -> None:
     adapter = CommandAdapter([sys.executable, str(HERE / "cli_agent.py"), "{prompt}", "--post-reward", "0.25"])
     check = ["sh", "-c", "echo checking {task_id}; echo 1"]  # its last line is the reward
-    rewards = [Reward("harness"), Reward("command", weight=0.5, command=check)]
+    rewards = [HarnessReward(), CommandReward(weight=0.5, command=check)]
     results = run(proxy, vllm.model, adapter, rewards, TASKS, tmp_path, episodes=2)
     assert [(r.task.id, r.status) for r in results] == [("hello", "ok")] * 2 + [("colours", "ok")] * 2
     for result in results:
@@ -100,7 +102,7 @@ def test_python_adapter_with_the_shipped_example_merges_each_episode(
     proxy: RunningProxy, vllm: Upstream, tmp_path: Path
 ) -> None:
     adapter = PythonAdapter(load_callable(f"{EXAMPLE / 'agent.py'}:agent"))
-    rewards = [Reward("python", function=f"{EXAMPLE / 'agent.py'}:score")]
+    rewards = [PythonReward(function=f"{EXAMPLE / 'agent.py'}:score")]
     # Greedy, so that the same turns come every run: at temperature 1 the model now and then
     # writes a token split that re-tokenizes differently (a reported "prefix diverges" break).
     tasks = [replace(t, data={**t.data, "temperature": 0}) for t in load_tasks(EXAMPLE / "tasks.jsonl", "heldout")[:4]]
@@ -124,7 +126,7 @@ def test_agent_library_adapters(proxy: RunningProxy, vllm: Upstream, tmp_path: P
                                                            model_settings=ModelSettings(max_tokens=16)))  # fmt: skip
     else:
         adapter = LangChainAdapter(lambda llm, task: llm.bind(max_tokens=16))
-    rewards = [Reward("python", function="tests.harness_adapters.test_episodes:nonempty")]
+    rewards = [PythonReward(function="tests.harness_adapters.test_episodes:nonempty")]
     results = run(proxy, vllm.model, adapter, rewards, TASKS, tmp_path)
     for result in results:
         assert result.status == "ok" and result.calls == 1 and result.reward == 1.0, result.error
@@ -137,7 +139,7 @@ def test_a_harness_that_ignores_the_proxy_is_reported_by_name(
     proxy: RunningProxy, vllm: Upstream, tmp_path: Path
 ) -> None:
     lost = CommandAdapter([sys.executable, str(HERE / "cli_agent.py"), "{prompt}", "--ignore-base-url"])
-    rewards = [Reward("python", function="tests.harness_adapters.test_episodes:nonempty")]
+    rewards = [PythonReward(function="tests.harness_adapters.test_episodes:nonempty")]
     [result] = run(proxy, vllm.model, lost, rewards, TASKS[:1], tmp_path)
     assert result.status == "no_calls" and result.reward is None and "no call through the proxy" in str(result.error)
     assert rewards_in(proxy.db, result.session_id) == []
@@ -149,7 +151,7 @@ def test_a_verifier_that_raises_or_gives_no_number_fails_only_its_episode(
     proxy: RunningProxy, vllm: Upstream, tmp_path: Path
 ) -> None:
     tasks = [Task("raises", "Say hi."), Task("word", "Say hi."), Task("fine", "Say hi.")]
-    rewards = [Reward("python", function="tests.harness_adapters.test_episodes:strict")]
+    rewards = [PythonReward(function="tests.harness_adapters.test_episodes:strict")]
     by_task = {r.task.id: r for r in run(proxy, vllm.model, PythonAdapter(one_call), rewards, tasks, tmp_path)}
     assert by_task["raises"].status == "failed" and "ValueError: cannot score this" in str(by_task["raises"].error)
     assert by_task["word"].status == "failed" and "not a finite number: 'not a number'" in str(by_task["word"].error)
@@ -193,15 +195,16 @@ def test_crashes_and_bad_templates_become_failed_outcomes(tmp_path: Path) -> Non
     assert "Traceback" in Path(str(failed.log)).read_text()
 
 
-def test_a_judge_reward_through_litellm(make_proxy: Any, tmp_path: Path) -> None:
+def test_a_judge_reward_through_litellm(make_proxy: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The judge is a STUB upstream answering "0.75" (any model litellm reaches would do)."""
+    monkeypatch.setenv("RLP_TEST_JUDGE_KEY", "none")
     with AppThread(stub_app()) as policy, AppThread(stub_app(answer="0.75")) as judge:
         proxy = make_proxy(f"{policy.url}/v1")
-        rubric = Reward("judge", weight=2.0, rubric="Greets.", judge_model=f"openai/{MODEL}",
-                        judge_base_url=f"{judge.url}/v1", judge_api_key="none")  # fmt: skip
+        rubric = JudgeReward(weight=2.0, rubric="Greets.", judge_model=f"openai/{MODEL}",
+                             judge_base_url=f"{judge.url}/v1", judge_api_key_env="RLP_TEST_JUDGE_KEY")  # fmt: skip
         [scored] = run(proxy, MODEL, PythonAdapter(one_call), [rubric], TASKS[:1], tmp_path)
-        silent = Reward("judge", rubric="Greets.", judge_model=f"openai/{MODEL}", judge_base_url=f"{policy.url}/v1",
-                        judge_api_key="none")  # fmt: skip
+        silent = JudgeReward(rubric="Greets.", judge_model=f"openai/{MODEL}", judge_base_url=f"{policy.url}/v1",
+                             judge_api_key_env="RLP_TEST_JUDGE_KEY")  # fmt: skip
         [unscored] = run(proxy, MODEL, PythonAdapter(one_call), [silent], TASKS[:1], tmp_path)
     assert scored.status == "ok" and scored.reward == 1.5
     assert rewards_in(proxy.db, scored.session_id) == [("judge", 1.5)]
@@ -234,3 +237,22 @@ def test_collect_refuses_a_bad_config_naming_the_key(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text('run: x\ntasks: t.jsonl\nharness: {type: command, argv: ["true"]}\n')
     done = CliRunner().invoke(app, ["collect", str(tmp_path / "c.yaml")], env={"COLUMNS": "200"})
     assert done.exit_code == 2 and "line 1: missing 'prompt'" in done.output
+
+
+@pytest.mark.parametrize(
+    ("section", "named"),
+    [
+        ("harness: {type: python}", "harness.python.agent: Field required"),
+        ("harness: {type: shell, argv: [x]}", "Input tag 'shell' found using 'type' does not match"),
+        ("harness: {type: command, argv: [x], agent: a.py:f}", "harness.command.agent: Extra inputs"),
+        ("harness: {type: command, argv: [x]}\nrewards: [{type: harness, weight: 2}]", "its weight must be 1"),
+        (
+            "harness: {type: command, argv: [x]}\nrewards: [{type: judge, rubric: r}]",
+            "judge.judge_model: Field required",
+        ),
+    ],
+)
+def test_each_harness_and_reward_kind_checks_its_own_keys(tmp_path: Path, section: str, named: str) -> None:
+    (tmp_path / "c.yaml").write_text(f"run: x\ntasks: t.jsonl\n{section}\n")
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(tmp_path / "c.yaml", CollectConfig)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from harness_adapters.config import HarnessConfig
+from harness_adapters.config import PythonHarness
 from recorder import CallRecord, Completion, SessionInfo, Store
 from trainer.config import TrainConfig, TrainSection
 from trainer.loop import LoopState, TrainError, TrainLoop
@@ -23,7 +23,7 @@ T0 = datetime(2026, 1, 1)
 
 def _config(tmp_path: Path, **train: Any) -> TrainConfig:
     return TrainConfig(run="r", tasks="t.jsonl", episodes_per_task=4, out=str(tmp_path),
-                       harness=HarnessConfig(type="python", agent="x:y"), train=TrainSection(**train))  # fmt: skip
+                       harness=PythonHarness(type="python", agent="x:y"), train=TrainSection(**train))  # fmt: skip
 
 
 async def _episode(store: Store, group: str, n: int, version: str, reward: float | None, status: str = "ok") -> None:
