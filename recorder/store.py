@@ -5,8 +5,8 @@ whatever is queued in one transaction (group commit) on a thread of its own with
 connection, and only then resolves each writer's future, so a call is durable before the proxy
 answers the client. One thread hop per batch is what keeps recording under a millisecond: the
 same insert through SQLAlchemy's async engine took 1.7-2.5 ms (six aiosqlite hops and the async
-session machinery; see README, "Proxy overhead"). Reads use the async engine (aiosqlite). If a
-batch fails, its writes are retried one by one so that one bad record cannot lose the others.
+session machinery; see docs/benchmarks.md, "Proxy overhead"). Reads use the async engine
+(aiosqlite). If a batch fails, its writes are retried one by one so that one bad record cannot lose the others.
 SQLite runs with journal_mode=WAL and synchronous=FULL.
 """
 

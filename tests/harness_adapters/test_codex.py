@@ -1,6 +1,6 @@
 """The real Codex CLI (npm @openai/codex, installed by `make install` into .harnesses/) run as an
-episode by the command adapter with the README's recipe (its config written into the workdir),
-talking to the proxy's Responses API, against the real vLLM."""
+episode by the command adapter with the recipe in docs/harnesses.md (its config written into
+the workdir), talking to the proxy's Responses API, against the real vLLM."""
 
 from __future__ import annotations
 

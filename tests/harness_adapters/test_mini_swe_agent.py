@@ -1,6 +1,6 @@
 """mini-swe-agent (pip, a dev dependency) run as an episode by the command adapter with the
-README's recipe: its text-based config, its litellm model on the proxy through OPENAI_API_BASE,
-against the real vLLM."""
+recipe in docs/harnesses.md: its text-based config, its litellm model on the proxy through
+OPENAI_API_BASE, against the real vLLM."""
 
 from __future__ import annotations
 
