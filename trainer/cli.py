@@ -19,7 +19,7 @@ from harness_adapters.config import ConfigError, load_config
 from harness_adapters.tasks import TaskError
 from proxy.vllm import BackendError, ModelNotAvailable, SwapError, prepare_default_model, resolve_model
 from trainer.config import TrainConfig
-from trainer.loop import TrainError
+from trainer.groups import TrainError
 
 app = typer.Typer(help="Record any agent harness through an OpenAI-compatible proxy, for RL.")
 model_app = typer.Typer(help="Prepare models for vLLM and the trainer.")

@@ -1,19 +1,14 @@
-"""`rl-proxy train`: harness episodes through the proxy, GRPO on what it recorded, the new
-weights hot-swapped into vLLM, over and over.
+"""`rl-proxy train`'s loop: take finished GRPO groups, step, swap the new weights into vLLM,
+checkpoint, over and over.
 
-A rollout is a GRPO group: one task, `episodes_per_task` episodes, each its own session with
-the group's id. In `async` mode rollouts never wait for the trainer: finished groups go into
-a bounded queue (`queue_groups`); when it is full, finished rollouts hold their slot, so no
-new rollout starts (back-pressure). The trainer takes groups as it needs them. In `sync` mode
-each step's groups are generated, then trained on, then the weights are swapped.
-
-A group taken for training is read back from the store and rebuilt into token-exact
-sequences (recorder.trajectories). Episodes sampled more than `max_staleness` policy
-versions ago are dropped and counted; a group left with fewer than two scored episodes, or
-whose rewards are all equal (no signal), is skipped and counted. Every `sync_every` steps the
-weights are saved to `out/versions/v<N>` (with the optimizer state and the loop's state: the
-checkpoint `--resume` starts from) and swapped into vLLM as version N. Metrics go to
-`out/metrics.jsonl` (and TensorBoard or W&B), the curves to `out/training.png`.
+Groups come from the harness adapters' `Rollouts` (episodes through the proxy) and are read
+back from the store by `GroupReader` (trainer/groups.py). In `async` mode rollouts never wait
+for the trainer: finished groups go into a bounded queue (`queue_groups`); when it is full,
+finished rollouts hold their slot, so no new rollout starts (back-pressure). In `sync` mode
+each step's groups are generated, then trained on, then the weights are swapped. Every
+`sync_every` steps the weights are saved to `out/versions/v<N>` (with the optimizer state and
+the loop's state: the checkpoint `--resume` starts from) and swapped into vLLM as version N.
+Metrics go to `out/metrics.jsonl` (and TensorBoard or W&B), the curves to `out/training.png`.
 """
 
 from __future__ import annotations
@@ -21,54 +16,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import shutil
 import statistics
 import time
-import uuid
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from harness_adapters.rollouts import Rollouts, success_rate
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
 from proxy.vllm import SwapError, hot_swap
-from recorder.records import SessionInfo
 from recorder.store import Store
-from recorder.trajectories import build_sequences
 from trainer.config import TrainConfig
-from trainer.grpo import Learner, Sample, advantages
+from trainer.groups import GroupReader, LoopState
+from trainer.grpo import Learner, Sample
 
-FAILING_GROUPS = 3
 T = TypeVar("T")
-
-
-class TrainError(RuntimeError):
-    """The run cannot go on; the message says why. The last checkpoint is intact."""
-
-
-@dataclass
-class LoopState:
-    """What a checkpoint holds besides the weights and the optimizer."""
-
-    step: int = 0
-    version: int = 0
-    consumed: list[str] = field(default_factory=list)  # groups trained on or discarded
-    skipped_equal: int = 0  # groups whose rewards were all equal
-    dropped_stale: int = 0  # episodes older than max_staleness
-    unscored: int = 0  # episodes that failed, timed out or made no call
-    samples: int = 0
-    tokens: int = 0
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
-
-    @classmethod
-    def load(cls, path: Path) -> LoopState:
-        return cls(**json.loads(path.read_text()))
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -85,10 +51,6 @@ def resident_gb() -> float | None:
         return None
 
 
-def version_number(version: str | None) -> int:
-    return int(version) if version is not None and version.isdigit() else 0
-
-
 @dataclass
 class Batch:
     samples: list[Sample]
@@ -97,136 +59,38 @@ class Batch:
 
 
 class TrainLoop:
+    """Take groups -> step -> swap -> checkpoint, `steps` times; evaluations before, after and
+    every `eval.every` steps."""
+
     def __init__(
         self,
         config: TrainConfig,
         learner: Learner,
-        runner: EpisodeRunner,
+        rollouts: Rollouts,
         store: Store,
         vllm_roots: list[str],
         base_weights: Path,
         state: LoopState | None = None,
     ) -> None:
         self.config, self.cfg = config, config.train
-        self.learner, self.runner, self.store = learner, runner, store
+        self.learner, self.rollouts = learner, rollouts
         self.roots = vllm_roots
         self.out = config.out_dir
         self.state = state or LoopState()
+        self.groups = GroupReader(config, store, self.state, learner.args.scale_rewards)
         # The weights vLLM serves: loaded back if a swap fails.
         self.weights = base_weights if state is None else self.out / "versions" / f"v{self.state.version}"
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
         self.pending: list[str] = []  # groups finished before a restart, taken first
-        self.limit = asyncio.Semaphore(config.concurrency)
-        self.tasks: list[Task] = []
-        self.order: list[Task] = []
-        self.rollout_rewards: list[float] = []
         self.metrics_file = self.out / "metrics.jsonl"
         self.started = time.monotonic()
         self.writers: list[Any] = []  # each gets every metrics row: TensorBoard, W&B, the display
-        self.failing = 0  # groups in a row without one scored episode
         # Torch work on one thread of its own: the event loop (rollouts) goes on meanwhile, and
         # one thread keeps the allocator's memory in one place.
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="learner")
 
     async def in_learner(self, work: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
-
-    # Rollouts
-
-    async def rollout(self, admin: Any, task: Task) -> str:
-        """One GRPO group of episodes; its group id."""
-        group = f"{self.config.run}/{task.id}/{uuid.uuid4().hex[:8]}"
-
-        async def one(n: int) -> None:
-            async with self.limit:
-                result = await self.runner.episode(admin, task, n, group)
-            if result.reward is not None:
-                self.rollout_rewards.append(result.reward)
-
-        await asyncio.gather(*(one(n) for n in range(self.config.episodes_per_task)))
-        return group
-
-    def next_task(self) -> Task:
-        if not self.order:  # every task once, in a new random order, then again
-            self.order = random.sample(self.tasks, len(self.tasks))
-        return self.order.pop()
-
-    async def produce(self, admin: Any) -> None:
-        """Async mode: keep rollouts going; a finished group waits for room in the queue."""
-        in_flight = asyncio.Semaphore(-(-self.config.concurrency // self.config.episodes_per_task) + 1)
-        running: set[asyncio.Task[None]] = set()
-
-        async def one(task: Task) -> None:
-            try:
-                await self.queue.put(await self.rollout(admin, task))
-            finally:
-                in_flight.release()
-
-        try:
-            while True:
-                await in_flight.acquire()
-                job = asyncio.create_task(one(self.next_task()))
-                running.add(job)
-                job.add_done_callback(running.discard)
-        finally:
-            for job in list(running):
-                job.cancel()
-
-    async def leftovers(self) -> list[str]:
-        """Groups finished before a restart and not yet trained on (resume)."""
-        sessions = await self.store.list_sessions(run=self.config.run)
-        groups: dict[str, list[SessionInfo]] = defaultdict(list)
-        for s in sessions:
-            if s.group_id:
-                groups[s.group_id].append(s)
-        consumed = set(self.state.consumed)
-        n = self.config.episodes_per_task
-        finished = [g for g, members in groups.items() if len(members) == n and all(s.ended_at for s in members)]
-        return [g for g in finished if g not in consumed]
-
-    # Batches
-
-    async def prepare(self, group: str) -> tuple[list[Sample], list[float], list[int]] | None:
-        """A group's samples with their advantages, or None (counted) if it cannot be used."""
-        self.state.consumed.append(group)
-        sessions = await self.store.list_sessions(group_id=group)
-        current = self.state.version
-        kept: list[tuple[SessionInfo, list[Any], int]] = []
-        for s in sessions:
-            if s.status != "ok" or s.reward is None:
-                self.state.unscored += 1
-                continue
-            calls = [c async for c in self.store.iter_calls(s.id)]
-            report = build_sequences(calls, s)  # per-call rewards are not used by GRPO here
-            sequences = [q for q in report.sequences if q.sampled_tokens]
-            if not sequences:
-                self.state.unscored += 1
-                continue
-            version = min(version_number(span.version) for q in sequences for span in q.spans)
-            if current - version > self.cfg.max_staleness:
-                self.state.dropped_stale += 1
-                continue
-            kept.append((s, sequences, current - version))
-        self.check_failing(sessions)
-        rewards = [float(s.reward) for s, _, _ in kept if s.reward is not None]
-        if len(kept) < 2 or max(rewards) == min(rewards):
-            self.state.skipped_equal += len(kept) >= 2
-            return None
-        by_group = self.learner.args.scale_rewards in ("group", True)
-        values = advantages(rewards, "group" if by_group else "none", self.cfg.baseline)
-        samples = [Sample(q, a) for (_, sequences, _), a in zip(kept, values, strict=True) for q in sequences]
-        return samples, rewards, [lag for _, _, lag in kept]
-
-    def check_failing(self, sessions: list[SessionInfo]) -> None:
-        """Stop, naming the cause, when groups keep coming back without one scored episode
-        (vLLM gone, a harness that cannot start): training could never go on."""
-        if any(s.status == "ok" and s.reward is not None for s in sessions):
-            self.failing = 0
-            return
-        self.failing += 1
-        if self.failing >= FAILING_GROUPS:
-            errors = [s.metadata.get("outcome", {}).get("error") or s.status for s in sessions]
-            raise TrainError(f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}")
 
     async def batch(self, admin: Any) -> Batch:
         """`groups_per_step` usable groups: taken from the queue (async) or generated now (sync)."""
@@ -240,10 +104,9 @@ class TrainLoop:
             elif self.cfg.mode == "async":
                 taken = [await self.queue.get()]
             else:
-                need = self.cfg.groups_per_step - groups
-                taken = list(await asyncio.gather(*(self.rollout(admin, self.next_task()) for _ in range(need))))
+                taken = await self.rollouts.groups(admin, self.cfg.groups_per_step - groups)
             for group in taken:
-                prepared = await self.prepare(group)
+                prepared = await self.groups.prepare(group)
                 if prepared is not None:
                     samples += prepared[0]
                     rewards += prepared[1]
@@ -284,15 +147,9 @@ class TrainLoop:
         """Success rate on the evaluation tasks under the weights now serving."""
         if eval_runner is None or self.config.eval is None:
             return None
-        async with eval_runner.admin() as admin:
-
-            async def one(task: Task, n: int) -> bool:
-                async with self.limit:
-                    result = await eval_runner.episode(admin, task, n, f"{eval_runner.run}/{task.id}")
-                return result.success(self.config.success_at)
-
-            wins = await asyncio.gather(*(one(t, n) for t in tasks for n in range(self.config.eval.episodes_per_task)))
-        success = sum(wins) / max(len(wins), 1)
+        success = await success_rate(
+            eval_runner, tasks, self.config.eval.episodes_per_task, self.rollouts.limit, self.config.success_at
+        )
         self.write({"step": self.state.step, "version": self.state.version, "heldout_success": success})
         return success
 
@@ -305,13 +162,14 @@ class TrainLoop:
         for writer in self.writers:
             writer(row)
 
-    async def run(self, tasks: list[Task], eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> dict[str, Any]:
-        self.tasks = tasks
+    async def run(self, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
         before = await self.evaluate(eval_runner, eval_tasks) if self.state.step == 0 else None
-        async with self.runner.admin() as admin:
-            self.pending = await self.leftovers()
-            producer = asyncio.create_task(self.produce(admin)) if self.cfg.mode == "async" else None
+        async with self.rollouts.runner.admin() as admin:
+            self.pending = await self.groups.leftovers()
+            producer = None
+            if self.cfg.mode == "async":
+                producer = asyncio.create_task(self.rollouts.fill(admin, self.queue, self.config.concurrency))
             try:
                 while self.state.step < self.cfg.steps:
                     await self.step(admin, eval_runner, eval_tasks)
@@ -338,7 +196,7 @@ class TrainLoop:
             paused = await self.swap(admin)
         row = {
             "step": self.state.step, "version": self.state.version, "reward": statistics.fmean(batch.rewards),
-            "rollout_reward": statistics.fmean(self.rollout_rewards[-64:]) if self.rollout_rewards else None,
+            "rollout_reward": statistics.fmean(self.rollouts.rewards[-64:]) if self.rollouts.rewards else None,
             "samples": len(batch.samples), "tokens": tokens, "tokens_per_s": tokens / max(trained, 1e-9),
             "sequence_tokens_per_s": processed / max(trained, 1e-9),
             "staleness_mean": statistics.fmean(batch.staleness), "staleness_max": max(batch.staleness),

@@ -16,14 +16,16 @@ import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness_adapters.collect import proxy_for
+from harness_adapters.rollouts import Rollouts
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
 from proxy.upstream import Upstreams
 from proxy.vllm import hot_swap, resolve_model, set_version
 from recorder.store import Store
 from trainer.config import TrainConfig
+from trainer.groups import LoopState, TrainError
 from trainer.grpo import Learner
-from trainer.loop import LoopState, TrainError, TrainLoop, latest_checkpoint, plot
+from trainer.loop import TrainLoop, latest_checkpoint, plot
 
 
 def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
@@ -126,7 +128,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
 
                 runner = runner_for(config.run, out / "episodes")
                 eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None
-                loop = TrainLoop(config, learner, runner, store, roots, base, state)
+                rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency))
+                loop = TrainLoop(config, learner, rollouts, store, roots, base, state)
                 loop.writers = _writers(config)
                 async with runner.admin() as admin:
 
@@ -140,11 +143,11 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                             await set_version(root, "0")
                         await announce()
                 if not progress:
-                    return await loop.run(tasks, eval_runner, eval_tasks)
+                    return await loop.run(eval_runner, eval_tasks)
                 bar, update = _display(config.train.steps)
                 loop.writers.append(update)
                 with bar:
-                    return await loop.run(tasks, eval_runner, eval_tasks)
+                    return await loop.run(eval_runner, eval_tasks)
 
         summary = asyncio.run(main())
     metrics = out / "metrics.jsonl"

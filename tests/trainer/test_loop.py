@@ -8,7 +8,6 @@ import asyncio
 import json
 from datetime import datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from harness_adapters.config import PythonHarness
 from recorder import CallRecord, Completion, SessionInfo, Store
 from trainer.config import TrainConfig, TrainSection
-from trainer.loop import LoopState, TrainError, TrainLoop
+from trainer.groups import GroupReader, LoopState, TrainError
 
 T0 = datetime(2026, 1, 1)
 
@@ -43,10 +42,8 @@ async def _episode(store: Store, group: str, n: int, version: str, reward: float
     await store.end_session(session.id, status, {"outcome": {"error": None if status == "ok" else "harness crashed"}})
 
 
-def _loop(tmp_path: Path, store: Store, state: LoopState, **train: Any) -> TrainLoop:
-    learner: Any = SimpleNamespace(args=SimpleNamespace(scale_rewards="none"))
-    return TrainLoop(_config(tmp_path, **train), learner, runner=None, store=store, vllm_roots=[],  # type: ignore[arg-type]
-                     base_weights=tmp_path, state=None if state.step == 0 else state)  # fmt: skip
+def _loop(tmp_path: Path, store: Store, state: LoopState, **train: Any) -> GroupReader:
+    return GroupReader(_config(tmp_path, **train), store, state, scale_rewards="none")
 
 
 def test_staleness_equal_rewards_and_failures(tmp_path: Path) -> None:

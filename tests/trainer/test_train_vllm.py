@@ -16,7 +16,7 @@ from recorder import CallRecord, Store
 from tests.support.stack import Upstream, read_store
 from trainer.cli import app
 from trainer.config import TrainConfig
-from trainer.loop import LoopState, TrainError
+from trainer.groups import LoopState, TrainError
 from trainer.run import train
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"

@@ -1,0 +1,116 @@
+"""Finished GRPO groups read back from the store as training samples, and what a checkpoint
+holds besides the weights (`LoopState`).
+
+A group is rebuilt into token-exact sequences (recorder.trajectories). Episodes sampled more
+than `max_staleness` policy versions ago are dropped and counted; a group left with fewer than
+two scored episodes, or whose rewards are all equal (no signal), is skipped and counted; groups
+that keep coming back without one scored episode stop the run by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recorder.records import SessionInfo
+from recorder.store import Store
+from recorder.trajectories import build_sequences
+from trainer.config import TrainConfig
+from trainer.grpo import Sample, advantages
+
+FAILING_GROUPS = 3
+
+
+class TrainError(RuntimeError):
+    """The run cannot go on; the message says why. The last checkpoint is intact."""
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint holds besides the weights and the optimizer."""
+
+    step: int = 0
+    version: int = 0
+    consumed: list[str] = field(default_factory=list)  # groups trained on or discarded
+    skipped_equal: int = 0  # groups whose rewards were all equal
+    dropped_stale: int = 0  # episodes older than max_staleness
+    unscored: int = 0  # episodes that failed, timed out or made no call
+    samples: int = 0
+    tokens: int = 0
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> LoopState:
+        return cls(**json.loads(path.read_text()))
+
+
+def version_number(version: str | None) -> int:
+    return int(version) if version is not None and version.isdigit() else 0
+
+
+class GroupReader:
+    """Samples with their advantages from finished groups; counts what it leaves out in `state`."""
+
+    def __init__(self, config: TrainConfig, store: Store, state: LoopState, scale_rewards: Any) -> None:
+        self.config, self.cfg, self.store, self.state = config, config.train, store, state
+        self.scale_rewards = scale_rewards  # TRL's scale_rewards: "group", "batch", "none" (or a bool)
+        self.failing = 0  # groups in a row without one scored episode
+
+    async def leftovers(self) -> list[str]:
+        """Groups finished before a restart and not yet trained on (resume)."""
+        sessions = await self.store.list_sessions(run=self.config.run)
+        groups: dict[str, list[SessionInfo]] = defaultdict(list)
+        for s in sessions:
+            if s.group_id:
+                groups[s.group_id].append(s)
+        consumed = set(self.state.consumed)
+        n = self.config.episodes_per_task
+        finished = [g for g, members in groups.items() if len(members) == n and all(s.ended_at for s in members)]
+        return [g for g in finished if g not in consumed]
+
+    async def prepare(self, group: str) -> tuple[list[Sample], list[float], list[int]] | None:
+        """A group's samples with their advantages, or None (counted) if it cannot be used."""
+        self.state.consumed.append(group)
+        sessions = await self.store.list_sessions(group_id=group)
+        current = self.state.version
+        kept: list[tuple[SessionInfo, list[Any], int]] = []
+        for s in sessions:
+            if s.status != "ok" or s.reward is None:
+                self.state.unscored += 1
+                continue
+            calls = [c async for c in self.store.iter_calls(s.id)]
+            report = build_sequences(calls, s)  # per-call rewards are not used by GRPO here
+            sequences = [q for q in report.sequences if q.sampled_tokens]
+            if not sequences:
+                self.state.unscored += 1
+                continue
+            version = min(version_number(span.version) for q in sequences for span in q.spans)
+            if current - version > self.cfg.max_staleness:
+                self.state.dropped_stale += 1
+                continue
+            kept.append((s, sequences, current - version))
+        self.check_failing(sessions)
+        rewards = [float(s.reward) for s, _, _ in kept if s.reward is not None]
+        if len(kept) < 2 or max(rewards) == min(rewards):
+            self.state.skipped_equal += len(kept) >= 2
+            return None
+        by_group = self.scale_rewards in ("group", True)
+        values = advantages(rewards, "group" if by_group else "none", self.cfg.baseline)
+        samples = [Sample(q, a) for (_, sequences, _), a in zip(kept, values, strict=True) for q in sequences]
+        return samples, rewards, [lag for _, _, lag in kept]
+
+    def check_failing(self, sessions: list[SessionInfo]) -> None:
+        """Stop, naming the cause, when groups keep coming back without one scored episode
+        (vLLM gone, a harness that cannot start): training could never go on."""
+        if any(s.status == "ok" and s.reward is not None for s in sessions):
+            self.failing = 0
+            return
+        self.failing += 1
+        if self.failing >= FAILING_GROUPS:
+            errors = [s.metadata.get("outcome", {}).get("error") or s.status for s in sessions]
+            raise TrainError(f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}")
