@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from harness_adapters.config import CollectConfig, Strict
-from trainer.grpo import GRPO_KEYS
+from trainer.grpo import GRPO_KEYS, grpo_fields
 
 
 class TrainSection(Strict):
@@ -43,9 +43,16 @@ class TrainSection(Strict):
 
     @model_validator(mode="after")
     def known(self) -> TrainSection:
-        unknown = sorted(set(self.grpo) - GRPO_KEYS)
+        unknown = set(self.grpo) - GRPO_KEYS
         if unknown:
-            raise ValueError(f"grpo: {unknown} not used here (samples come from the store); known: {sorted(GRPO_KEYS)}")
+            foreign = sorted(unknown - grpo_fields())
+            unused = sorted(unknown - set(foreign))
+            raise ValueError(
+                "grpo: " + "; ".join(
+                    ([f"{unused} are GRPOConfig fields not used here (samples come from the store)"] if unused else [])
+                    + ([f"{foreign} are not GRPOConfig fields"] if foreign else [])
+                ) + f"; used here: {sorted(GRPO_KEYS)}"
+            )  # fmt: skip
         return self
 
 

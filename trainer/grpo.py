@@ -32,15 +32,25 @@ from typing import Any
 
 from recorder.trajectories import TrainingSequence
 
-# The GRPOConfig fields that mean something here; the rest are about TRL's own generation.
+# The GRPOConfig fields that mean something here; the rest are about TRL's own generation and
+# data, or the Trainer's loop, which this trainer does not run (a test checks each is a field).
 GRPO_KEYS = {
     "loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "delta", "beta", "scale_rewards",
     "mask_truncated_completions", "temperature", "top_entropy_quantile", "off_policy_mask_threshold",
     "use_bias_correction_kl", "max_completion_length", "vllm_importance_sampling_correction",
     "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
-    "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "adam_beta1",
+    "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "gradient_checkpointing", "bf16", "fp16", "seed",
 }  # fmt: skip
+
+
+def grpo_fields() -> set[str]:
+    """Every field of TRL's GRPOConfig (TrainingArguments' included)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    return {f.name for f in dataclasses.fields(GRPOConfig)}
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,17 @@ def test_config_refuses_unknown_keys(tmp_path: Path) -> None:
     path.write_text(
         "run: r\ntasks: t.jsonl\nharness: {type: python, agent: 'a:b'}\ntrain: {grpo: {num_generations: 4}}\n"
     )
-    with pytest.raises(ConfigError, match="num_generations"):
+    with pytest.raises(ConfigError, match=r"\['num_generations'\] are GRPOConfig fields not used here"):
         load_config(path, TrainConfig)
+    path.write_text("run: r\ntasks: t.jsonl\nharness: {type: python, agent: 'a:b'}\ntrain: {grpo: {los_type: dapo}}\n")
+    with pytest.raises(ConfigError, match=r"\['los_type'\] are not GRPOConfig fields"):
+        load_config(path, TrainConfig)
+
+
+def test_every_grpo_key_used_here_is_a_grpo_config_field() -> None:
+    from trainer.grpo import GRPO_KEYS, grpo_fields
+
+    assert grpo_fields() >= GRPO_KEYS, GRPO_KEYS - grpo_fields()
 
 
 def test_metrics_to_tensorboard_and_plot(tmp_path: Path) -> None:
