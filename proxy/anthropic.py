@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import Capture, carries_output
+from proxy.capture import Capture, nothing_to_translate
 from proxy.errors import BadRequest, anthropic_error_body, json_response
 from proxy.forwarding import (
     Call,
@@ -33,6 +33,7 @@ from proxy.forwarding import (
     fit_to_backend,
     open_upstream,
     read_json,
+    relay,
     session_for,
     upstream_chunks,
 )
@@ -130,24 +131,23 @@ async def messages(request: Request) -> Response:
     return json_response(message)
 
 
-async def _relay(
+def _relay(
     call: Call, resp: aiohttp.ClientResponse, data: Any, tool_map: dict[str, str], model: str
 ) -> AsyncIterator[bytes]:
-    """Anthropic SSE events translated from the upstream's chunks; recorded before message_stop
-    reaches the client's end of the stream."""
+    """Anthropic SSE events translated from the upstream's chunks; message_stop reaches the
+    client once the call is recorded."""
     from litellm.types.utils import ModelResponseStream
 
     capture = Capture()
-    broken: list[str] = []
-
+    broken: list[str] = []  # litellm's translator ends the stream on an error instead of raising it
     tool_ids: dict[tuple[int, int], str] = {}
 
     async def chunks() -> AsyncIterator[Any]:
         try:
             async for chunk in upstream_chunks(resp, data):
                 capture.add_chunk(chunk)
-                if capture.head and not carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
-                    continue  # tokens the tool parser held back: recorded, but litellm would open a text block
+                if nothing_to_translate(capture, chunk):
+                    continue  # recorded, but nothing for the client
                 # vLLM names a tool call's id in its first delta only; litellm gives every later
                 # delta without one a fresh id and so a new, nameless tool_use block.
                 for choice in chunk.get("choices") or []:
@@ -160,33 +160,19 @@ async def _relay(
         except StreamBroken as exc:
             broken.append(str(exc))
             raise
+        except Exception as exc:  # litellm's translator would turn it into its own event, unrecorded
+            broken.append(f"the stream could not be relayed: {exc!r}")
+            raise
 
-    status: int = 499  # what stands if the client goes away mid-stream
-    error: str | None = "client disconnected"
-    pending: list[bytes] = []
-    try:
-        events = _adapter().translate_completion_output_params_streaming(
-            chunks(), model=model, tool_name_mapping=tool_map
-        )
-        async for event in events:
-            # Hold back message_stop: the client sees the end only once the call is recorded.
-            if b"message_stop" in event:
-                pending.append(event)
-            else:
-                yield event
-        status, error = (200, None) if not broken else (502, broken[0])
-    except StreamBroken as exc:
-        status, error = 502, str(exc)
-    finally:
-        _, error, unrecorded = await call.settle(
-            resp, capture, lambda: to_message(capture.assembled(True), tool_map), status, error
-        )
-    if unrecorded is not None or error is not None:
-        failure = unrecorded.message if unrecorded is not None else str(error)
-        yield b"event: error\ndata: " + orjson.dumps(anthropic_error_body(502, failure)) + b"\n\n"
-        return
-    for event in pending:
-        yield event
+    def failed(message: str, kind: str, _answer: Any) -> bytes:
+        return b"event: error\ndata: " + orjson.dumps(anthropic_error_body(502, message)) + b"\n\n"
+
+    events = _adapter().translate_completion_output_params_streaming(chunks(), model=model, tool_name_mapping=tool_map)
+    return relay(
+        call, resp, capture, events, held=lambda event: event.startswith(b"event: message_stop\n"),
+        answer=lambda: to_message(capture.assembled(True), tool_map), failed=failed,
+        ended=lambda: broken[0] if broken else None,
+    )  # fmt: skip
 
 
 @router.post("/messages/count_tokens", openapi_extra=openapi.MESSAGES)

@@ -161,9 +161,7 @@ def as_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def carries_output(chunk: dict[str, Any]) -> bool:
-    """Whether a stream chunk has anything for the client: text, a tool call, a finish or usage.
-    vLLM's tool parser sends chunks with only token ids while it holds text back; a translating
-    route must not turn those into empty blocks or items."""
+    """Whether a stream chunk has anything for the client: text, a tool call, a finish or usage."""
     if chunk.get("usage"):
         return True
     for choice in chunk.get("choices") or []:
@@ -171,6 +169,16 @@ def carries_output(chunk: dict[str, Any]) -> bool:
         if choice.get("finish_reason") or any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content")):
             return True
     return False
+
+
+def nothing_to_translate(capture: Capture, chunk: dict[str, Any]) -> bool:
+    """A chunk (already captured) that a translating route skips: one without choices, or one
+    with only the token ids vLLM's tool parser sends while it holds text back, which must not
+    become empty blocks or items. The first chunk of a choice goes through: it opens the answer."""
+    if not chunk.get("choices"):
+        return True
+    first = capture.choices.get(0)
+    return not carries_output(chunk) and first is not None and len(first.token_ids) > 0
 
 
 def client_view(body: dict[str, Any], keep_tokens: bool, keep_logprobs: bool) -> dict[str, Any]:

@@ -206,6 +206,51 @@ class Call:
             self.on_recorded(call)
 
 
+async def relay(
+    call: Call,
+    resp: aiohttp.ClientResponse,
+    capture: Capture,
+    events: AsyncIterator[bytes],
+    *,
+    held: Callable[[bytes], bool],
+    answer: Callable[[], dict[str, Any] | None],
+    failed: Callable[[str, str, dict[str, Any] | None], bytes],
+    ended: Callable[[], str | None] = lambda: None,
+    done: bytes = b"",
+) -> AsyncIterator[bytes]:
+    """Relay one API's stream events and record the call however the stream ends. The parts
+    each API brings: `events` (its own, translated from the upstream's chunks as they arrive
+    into `capture`), `held` (the events that end its stream, held back until the call is
+    recorded), `answer` (the whole answer to record), `failed(message, type, answer)` (its error
+    event), `ended` (why a stream that ran out is incomplete, if it is) and `done` (a
+    terminator sent last). A client that goes away leaves the call recorded as 499."""
+    status: int = 499  # what stands if the client goes away mid-stream
+    error: str | None = "client disconnected"
+    kind = "upstream_error"
+    held_back: list[bytes] = []
+    try:
+        async for event in events:
+            if held(event):
+                held_back.append(event)
+            else:
+                yield event
+        error = ended()
+        status = 200 if error is None else 502
+    except StreamBroken as exc:
+        status, error = 502, str(exc)
+    except Exception as exc:  # a stream the translation cannot follow: an error event, never a reset
+        log.exception("stream of call %s/%d failed", call.session.id, call.seq)
+        status, error, kind = 502, f"the stream could not be relayed: {exc!r}", "internal_error"
+    finally:
+        body, error, unrecorded = await call.settle(resp, capture, answer, status, error)
+    if unrecorded is not None:
+        yield failed(unrecorded.message, unrecorded.type, body)
+    elif error is not None:
+        yield failed(error, kind, body)
+    else:
+        yield b"".join(held_back) + done
+
+
 def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -> None:
     """Ask a vLLM upstream, in the upstream body, for what the record needs: token ids and one
     logprob per sampled token. Nothing for an upstream that has neither."""

@@ -21,12 +21,12 @@ from proxy.capture import Capture, client_view
 from proxy.errors import BadRequest, error_body, json_response
 from proxy.forwarding import (
     Call,
-    StreamBroken,
     UpstreamError,
     ask_for_tokens,
     fit_to_backend,
     open_upstream,
     read_json,
+    relay,
     session_for,
     upstream_chunks,
 )
@@ -111,7 +111,7 @@ async def forward(request: Request, api: Api) -> Response:
     return json_response(data, resp.status)
 
 
-async def _relay(
+def _relay(
     call: Call,
     api: Api,
     resp: aiohttp.ClientResponse,
@@ -120,11 +120,10 @@ async def _relay(
     keep_logprobs: bool,
     keep_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """Relay the upstream's SSE chunk by chunk; record before the final `[DONE]`."""
+    """The upstream's SSE chunk by chunk, then `[DONE]` once the call is recorded."""
     capture = Capture()
-    status: int = 499  # what stands if the client goes away mid-stream
-    error: str | None = "client disconnected"
-    try:
+
+    async def events() -> AsyncIterator[bytes]:
         async for chunk in upstream_chunks(resp, data):
             capture.add_chunk(chunk)
             if not keep_usage:
@@ -132,13 +131,9 @@ async def _relay(
                     continue  # the usage chunk the proxy asked for
                 chunk.pop("usage", None)
             yield b"data: " + orjson.dumps(client_view(chunk, keep_tokens, keep_logprobs)) + b"\n\n"
-        status, error = 200, None
-    except StreamBroken as exc:
-        status, error = 502, str(exc)
-        yield b"data: " + orjson.dumps(error_body(error, "upstream_error", 502)) + b"\n\n"
-    finally:
-        _, error, unrecorded = await call.settle(resp, capture, lambda: capture.assembled(api.chat), status, error)
-    if unrecorded is not None:
-        yield b"data: " + orjson.dumps(error_body(unrecorded.message, unrecorded.type)) + b"\n\n"
-    elif error is None:
-        yield b"data: [DONE]\n\n"
+
+    def failed(message: str, kind: str, _answer: Any) -> bytes:
+        return b"data: " + orjson.dumps(error_body(message, kind, 502 if kind == "upstream_error" else None)) + b"\n\n"
+
+    return relay(call, resp, capture, events(), held=lambda _: False, answer=lambda: capture.assembled(api.chat),
+                 failed=failed, done=b"data: [DONE]\n\n")  # fmt: skip

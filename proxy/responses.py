@@ -28,17 +28,17 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import Capture, carries_output
+from proxy.capture import Capture, nothing_to_translate
 from proxy.errors import BadRequest, NotFound, json_response
 from proxy.forwarding import (
     Call,
-    StreamBroken,
     UpstreamError,
     ask_for_tokens,
     check_types,
     fit_to_backend,
     open_upstream,
     read_json,
+    relay,
     session_for,
     upstream_chunks,
 )
@@ -53,6 +53,8 @@ TOOL_TYPES = ("function", "custom", "namespace")  # the rest (web_search, file_s
 INPUT_PARTS = ("input_text", "output_text", "text", "refusal")
 UNSUPPORTED = ("background", "conversation", "prompt")
 MAX_CHAIN = 10_000  # previous_response_id links followed before giving up
+FINAL = ("response.completed", "response.incomplete")  # the events that end a stream
+FINAL_EVENTS = tuple(f"event: {name}\n".encode() for name in FINAL)
 
 
 class RecentResponses:
@@ -246,55 +248,50 @@ def _event(data: dict[str, Any]) -> bytes:
     return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-async def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[bytes]:
-    """Responses events translated from the upstream's chunks; recorded before the final
-    response.completed (or response.incomplete) reaches the client."""
+def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[bytes]:
+    """Responses events translated from the upstream's chunks; the final response.completed
+    (or response.incomplete) reaches the client once the call is recorded."""
     from litellm.types.utils import ModelResponseStream
 
     body, response_id = call.request, str(call.response_id)
     capture = Capture()
+    final: list[dict[str, Any]] = []  # the event that ends the stream
+    sequence = 0
 
     async def chunks() -> AsyncIterator[Any]:
         async for chunk in upstream_chunks(resp, data):
             capture.add_chunk(chunk)
-            if capture.head and not carries_output(chunk) and len(capture.choices[0].token_ids) > 0:
-                continue  # tokens the tool parser held back: recorded, but no item to open
+            if nothing_to_translate(capture, chunk):
+                continue  # recorded, but nothing for the client
             yield ModelResponseStream(**{**chunk, "id": response_id})
 
-    events = _event_stream()(
-        model=body["model"],
-        litellm_custom_stream_wrapper=_Chunks(chunks()),
-        request_input=body.get("input"),
-        responses_api_request=_params(body),
-    )
-    status: int = 499  # what stands if the client goes away mid-stream
-    error: str | None = "client disconnected"
-    final: dict[str, Any] | None = None
-    sequence = 0
-    try:
-        async for event in events:
+    async def events() -> AsyncIterator[bytes]:
+        nonlocal sequence
+        translated = _event_stream()(
+            model=body["model"],
+            litellm_custom_stream_wrapper=_Chunks(chunks()),
+            request_input=body.get("input"),
+            responses_api_request=_params(body),
+        )
+        async for event in translated:
             shown = {**jsonable(event), "sequence_number": sequence}
             sequence += 1
-            if shown["type"] in ("response.completed", "response.incomplete"):
-                final = shown  # held back: the client sees the end only once the call is recorded
-            else:
-                yield _event(shown)
-        status, error = (200, None) if final is not None else (502, "the upstream stream ended without a response")
-    except StreamBroken as exc:
-        status, error = 502, str(exc)
-    finally:
+            if shown["type"] in FINAL:
+                final.append(shown)
+            yield _event(shown)
 
-        def whole() -> dict[str, Any]:
-            return final["response"] if final else to_response(capture.assembled(True), body, response_id)
+    def whole() -> dict[str, Any]:
+        return final[0]["response"] if final else to_response(capture.assembled(True), body, response_id)
 
-        answer, error, unrecorded = await call.settle(resp, capture, whole, status, error)
-        error = unrecorded.message if unrecorded is not None else error
-    if final is None or error is not None:
-        failed = {**(answer or {"id": response_id, "object": "response", "output": []}), "status": "failed",
-                  "error": {"code": "server_error", "message": str(error)}}  # fmt: skip
-        yield _event({"type": "response.failed", "response": failed, "sequence_number": sequence})
-        return
-    yield _event(final)
+    def failed(message: str, kind: str, answer: dict[str, Any] | None) -> bytes:
+        response = {**(answer or {"id": response_id, "object": "response", "output": []}), "status": "failed",
+                    "error": {"code": "server_error", "message": message}}  # fmt: skip
+        return _event({"type": "response.failed", "response": response, "sequence_number": sequence})
+
+    return relay(
+        call, resp, capture, events(), held=lambda event: event.startswith(FINAL_EVENTS),
+        answer=whole, failed=failed, ended=lambda: None if final else "the upstream stream ended without a response",
+    )  # fmt: skip
 
 
 @router.get("/responses/{response_id}")

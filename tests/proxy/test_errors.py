@@ -14,7 +14,7 @@ from proxy.server import AppThread
 from proxy.vllm import free_port
 from recorder.trajectories import build_sequences
 from tests.support.stack import Upstream
-from tests.support.stub_upstream import MODEL, stub_app
+from tests.support.stub_upstream import COMPLETION, MODEL, stub_app
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -196,3 +196,48 @@ def test_a_broken_upstream_stream_ends_with_an_error_event_and_a_failed_record(
     assert not broken.ok and broken.http_status == 502 and "upstream stream failed" in str(broken.error)
     assert broken.completions[0].token_ids == [101, 102, 103]  # the tokens received before the break
     assert ok.status_code == 200 and after.ok  # the session goes on
+
+
+def test_a_messages_stream_whose_text_names_message_stop_keeps_its_order(make_proxy: Any) -> None:
+    """Only the message_stop event waits for the record; a text delta that merely contains the
+    words `message_stop` goes out in its place (stub upstream)."""
+    words = ["Then ", "message_stop ", "is ", "sent ", "last", ".", "", ""]
+    with AppThread(stub_app(stream_words=words)) as upstream:
+        proxy = make_proxy(f"{upstream.url}/v1")
+        request = {"model": MODEL, "stream": True, "messages": CHAT, "max_tokens": 8}
+        events = httpx.post(f"{proxy.v1}/messages", json=request, headers={"x-api-key": "s-order"}).text
+    kinds = [block.split("\n", 1)[0].removeprefix("event: ") for block in events.strip().split("\n\n")]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    assert kinds.count("content_block_delta") == 6  # every word, all before message_delta
+    [call] = proxy.calls("s-order")
+    assert call.ok and call.response["content"][0]["text"] == "".join(words)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "last_event"),
+    [
+        ("/messages", {"messages": CHAT, "max_tokens": 8}, "event: error"),
+        ("/responses", {"input": "Hi"}, "event: response.failed"),
+    ],
+)
+def test_a_stream_the_translation_cannot_follow_ends_with_an_error_event(
+    make_proxy: Any, path: str, body: dict[str, Any], last_event: str
+) -> None:
+    """Stub upstreams: a stream that opens with a chunk without choices is translated as usual;
+    one with a chunk no translator can follow ends with the API's own error event (not a reset
+    connection) and is recorded as failed with 502 and its tokens (not as a client's 499)."""
+    request = {"model": MODEL, "stream": True, **body}
+    with AppThread(stub_app(choiceless_first=True)) as odd, AppThread(stub_app(garbled_at=2)) as garbled:
+        answers = []
+        for upstream, key in ((odd, "s-odd"), (garbled, "s-garbled")):
+            proxy = make_proxy(f"{upstream.url}/v1")
+            with httpx.stream("POST", f"{proxy.v1}{path}", json=request, headers={"x-api-key": key}) as answer:
+                answers.append(b"".join(answer.iter_bytes()).decode())
+            [call] = proxy.calls(key)
+            answers.append(call)
+    fine, fine_call, broken, broken_call = answers
+    assert fine_call.ok and fine_call.completions[0].token_ids == COMPLETION
+    assert "message_stop" in fine or "response.completed" in fine
+    last = broken.strip().split("\n\n")[-1]
+    assert last.startswith(last_event) and "could not be relayed" in last and "Traceback" not in broken, broken[-600:]
+    assert not broken_call.ok and broken_call.http_status == 502 and broken_call.completions[0].token_ids

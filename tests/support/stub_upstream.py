@@ -42,12 +42,18 @@ def stub_app(
     die_at: int | None = None,
     answer: str = "stub answer",
     provider_key: str | None = None,
+    stream_words: list[str] | None = None,
+    choiceless_first: bool = False,
+    garbled_at: int | None = None,
 ) -> FastAPI:
     """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
     the stream sends a malformed event and ends, without `[DONE]`; at `die_at` the server fails
-    mid-stream and the connection is cut, as when the upstream dies. With `provider_key` it acts as
+    mid-stream and the connection is cut, as when the upstream dies; with `choiceless_first` the
+    stream opens with a chunk that has no choices and no usage; at `garbled_at` a chunk's
+    `tool_calls` is a string, valid JSON that no translator can follow. With `provider_key` it acts as
     a provider other than vLLM: it wants that key, refuses vLLM's `return_token_ids` (400, as
-    OpenAI does) and answers without token ids or logprobs."""
+    OpenAI does) and answers without token ids or logprobs. A stream's text is `t<id> ` per
+    token, or the given `stream_words`, one per token."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -76,6 +82,8 @@ def stub_app(
 
         async def events():  # type: ignore[no-untyped-def]
             chunk = {**head, "object": "chat.completion.chunk", "prompt_token_ids": prompt}
+            if choiceless_first:
+                yield b"data: " + orjson.dumps({**head, "object": "chat.completion.chunk", "choices": []}) + b"\n\n"
             for i, token in enumerate(COMPLETION):
                 if i == break_at:
                     yield b'data: {"choices": [{"delta": \n\n'
@@ -83,7 +91,10 @@ def stub_app(
                 if i == die_at:
                     raise ConnectionAbortedError("stub upstream dies mid-stream (fault injection)")
                 finish = "stop" if i == len(COMPLETION) - 1 else None
-                chunk["choices"] = [_choice(True, 0, f"t{token} ", [token], finish)]
+                text = stream_words[i % len(stream_words)] if stream_words else f"t{token} "
+                chunk["choices"] = [_choice(True, 0, text, [token], finish)]
+                if i == garbled_at:
+                    chunk["choices"][0]["delta"]["tool_calls"] = "garbled"
                 if i == drop_token_ids_at or provider_key is not None:
                     chunk.pop("prompt_token_ids", None)
                     del chunk["choices"][0]["token_ids"]
