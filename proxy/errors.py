@@ -14,8 +14,9 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from sqlalchemy.exc import DataError, SQLAlchemyError
 from starlette.exceptions import HTTPException
+
+from recorder.errors import StoreError, StoreValueError
 
 log = logging.getLogger("rl_proxy.proxy")
 
@@ -130,15 +131,14 @@ def install_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _answer(request, exc.status_code, str(exc.detail), kind)
 
-    @app.exception_handler(DataError)
-    async def unstorable(request: Request, exc: DataError) -> Response:
-        return _answer(request, 400, f"a value the store cannot hold: {exc.orig}", "invalid_request_error")
+    @app.exception_handler(StoreValueError)
+    async def unstorable(request: Request, exc: StoreValueError) -> Response:
+        return _answer(request, 400, f"a value the store cannot hold: {exc}", "invalid_request_error")
 
-    @app.exception_handler(SQLAlchemyError)
-    @app.exception_handler(ConnectionError)  # asyncpg's refused connection is not wrapped; the
-    async def store_down(request: Request, exc: Exception) -> Response:  # upstream's always are
+    @app.exception_handler(StoreError)
+    async def store_down(request: Request, exc: StoreError) -> Response:
         log.error("store error on %s %s: %s", request.method, request.url.path, exc)
-        message = f"the store is unavailable: {getattr(exc, 'orig', None) or type(exc).__name__}"
+        message = f"the store is unavailable: {exc}"
         return _answer(request, 503, message, StoreUnavailable.type, StoreUnavailable.code)
 
     @app.exception_handler(Exception)

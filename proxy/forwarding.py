@@ -198,10 +198,8 @@ class Call:
     async def commit(self, call: CallRecord) -> None:
         try:
             await self.state.store.record(call)
-        except Exception as exc:
-            # The database's own words, without SQLAlchemy's copy of the statement and the call.
-            reason = getattr(exc, "orig", None) or exc
-            raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {reason}") from exc
+        except Exception as exc:  # a StoreError in the database's own words, or anything else: never lost silently
+            raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {exc}") from exc
         if self.on_recorded is not None:
             self.on_recorded(call)
 

@@ -24,9 +24,10 @@ from typing import Any
 import orjson
 from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
+from recorder.errors import SchemaMismatch, SessionConflict, store_error, translated
 from recorder.records import CallRecord, Completion, SessionInfo
 from recorder.schema import (
     MIGRATIONS,
@@ -47,14 +48,6 @@ log = logging.getLogger("rl_proxy.recorder")
 Op = Callable[[Connection], object]
 Write = CallRecord | Op
 MAX_BATCH = 512
-
-
-class SchemaMismatch(RuntimeError):
-    """The database was written by a newer version of rl-proxy."""
-
-
-class SessionConflict(ValueError):
-    """A session id is already taken by a session with another key."""
 
 
 def utcnow() -> datetime:
@@ -285,12 +278,14 @@ class Store:
     def record_nowait(self, call: CallRecord) -> asyncio.Future[None]:
         return self.submit(call)
 
+    @translated
     async def record(self, call: CallRecord) -> None:
         """Persist one call; returns once it is committed."""
         await self.record_nowait(call)
 
     # -- sessions ------------------------------------------------------------------------
 
+    @translated
     async def session_by_key(self, key: str) -> SessionInfo | None:
         digest = key_digest(key)
         creating = self._creating.get(digest)
@@ -309,6 +304,7 @@ class Store:
         self._by_key[digest] = info
         return info
 
+    @translated
     async def create_session(self, info: SessionInfo) -> SessionInfo:
         """Create a session (durably). Raises SessionConflict if its id or key is taken. The
         store keeps only the key's digest; the session returned still carries the key.
@@ -349,6 +345,7 @@ class Store:
         self._seq[created.id] = 0
         return created
 
+    @translated
     async def resolve_session(self, info: SessionInfo) -> SessionInfo:
         """The stored session with `info.key`, created from `info` on first use."""
         found = await self.session_by_key(info.key)
@@ -367,6 +364,7 @@ class Store:
         self._seq[session_id] = self._seq.get(session_id, 0) + 1
         return self._seq[session_id]
 
+    @translated
     async def add_reward(self, session_id: str, value: float, source: str, call_seq: int | None = None) -> None:
         """A reward for the session, or for its call number `call_seq`."""
         values = {
@@ -374,6 +372,7 @@ class Store:
         }  # fmt: skip
         await self.submit(lambda conn: conn.execute(insert(RewardRow).values(values)))
 
+    @translated
     async def end_session(self, session_id: str, status: str = "ended", metadata: dict[str, Any] | None = None) -> None:
         """Mark a session finished: `status` says how ("ended", or an episode's "ok", "failed",
         "timeout", "no_calls"); `metadata`, if given, replaces its metadata."""
@@ -388,10 +387,12 @@ class Store:
 
     # -- reading -------------------------------------------------------------------------
 
+    @translated
     async def get_session(self, session_id: str) -> SessionInfo | None:
         sessions = await self.list_sessions(session_id=session_id)
         return sessions[0] if sessions else None
 
+    @translated
     async def list_sessions(
         self,
         *,
@@ -419,6 +420,7 @@ class Store:
             result = await s.execute(query)
             return [_session_info(row, reward, n or 0) for row, reward, n in result.all()]
 
+    @translated
     async def call_rewards(self, session_id: str) -> dict[int, float]:
         """Rewards posted for single calls of a session, summed per call number."""
         query = (
@@ -429,6 +431,7 @@ class Store:
         async with self.engine.connect() as conn:
             return {seq: float(value) for seq, value in (await conn.execute(query)).all() if seq is not None}
 
+    @translated
     async def stored_response(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The request and answer of a session's answered Responses call with this id."""
         query = select(CallRow.request, CallRow.response).where(
@@ -449,14 +452,17 @@ class Store:
             query = select(calls).where(key > last).order_by(key).limit(batch)
             if session_id is not None:
                 query = query.where(calls.c.session_id == session_id)
-            async with self.engine.connect() as conn:
-                rows = (await conn.execute(query)).mappings().all()
-                chosen = select(completions).where(completions.c.call_id.in_([r["id"] for r in rows]))
-                by_call: dict[int, list[Completion]] = {}
-                for c in (await conn.execute(chosen.order_by(completions.c.choice_index))).mappings():
-                    by_call.setdefault(c["call_id"], []).append(
-                        Completion(c["choice_index"], c["token_ids"], c["logprobs"], c["finish_reason"])
-                    )
+            by_call: dict[int, list[Completion]] = {}
+            try:
+                async with self.engine.connect() as conn:
+                    rows = (await conn.execute(query)).mappings().all()
+                    chosen = select(completions).where(completions.c.call_id.in_([r["id"] for r in rows]))
+                    for c in (await conn.execute(chosen.order_by(completions.c.choice_index))).mappings():
+                        by_call.setdefault(c["call_id"], []).append(
+                            Completion(c["choice_index"], c["token_ids"], c["logprobs"], c["finish_reason"])
+                        )
+            except (SQLAlchemyError, OSError) as exc:
+                raise store_error(exc) from exc
             for row in rows:
                 yield _call_record(row, by_call.get(row["id"], []))
             if len(rows) < batch:
