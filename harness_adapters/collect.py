@@ -4,17 +4,17 @@ vLLM launched here or of any upstream, or one already running) without training.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness_adapters.config import CollectConfig
 from harness_adapters.runner import EpisodeResult, EpisodeRunner, write_results
 from harness_adapters.tasks import load_tasks
+from proxy.app import create_app
+from proxy.server import AppThread, backend_for
 
 POLICY = "policy"  # the model name harnesses get when the served one is not known: the proxy maps it
 
@@ -25,20 +25,9 @@ def proxy_for(config: CollectConfig) -> Iterator[tuple[str, str, str | None, str
     the config's own when the proxy is someone else's."""
     given = config.proxy
     if given.url:
-        yield given.url.rstrip("/"), POLICY, given.db, given.upstream
+        yield given.url.rstrip("/"), POLICY, given.db if "db" in given.model_fields_set else None, given.upstream
         return
-    from proxy.app import create_app
-    from proxy.server import AppThread, backend_for
-    from proxy.settings import Settings
-
-    fields: dict[str, Any] = {
-        "upstream": given.upstream, "model": given.model, "db": given.db or str(config.out_dir / "rl-proxy.db"),
-        "max_model_len": given.max_model_len, "max_completion_tokens": given.max_completion_tokens,
-        "upstream_token_ids": given.token_ids,
-        "upstream_api_key": os.environ.get(given.upstream_api_key_env) if given.upstream_api_key_env else None,
-        "vllm_args": given.vllm_args or None,
-    }  # fmt: skip
-    settings = Settings(**{k: v for k, v in fields.items() if v is not None})
+    settings = given.settings(config.out_dir)
     with backend_for(settings) as (settings, _), AppThread(create_app(settings)) as proxy:
         yield proxy.url, settings.served_model_name or POLICY, settings.db, settings.upstream
 

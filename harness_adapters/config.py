@@ -21,6 +21,7 @@ Unknown keys are refused by name. Paths are relative to the config file. Example
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -37,6 +38,7 @@ from harness_adapters.episode import (
     load_callable,
 )
 from harness_adapters.rewards import Reward, RewardSource
+from proxy.settings import Settings
 
 
 class ConfigError(ValueError):
@@ -100,17 +102,22 @@ HarnessConfig = Annotated[
 ]
 
 
-class ProxyConfig(Strict):
+class ProxyConfig(Settings):
+    """The `proxy:` section: any setting of `rl-proxy serve`, by the same names (see
+    proxy/settings.py), plus a running proxy to use instead of starting one (`url`) and the
+    variable that holds the upstream's API key. The store defaults to `<out>/rl-proxy.db`."""
+
     url: str | None = Field(None, description="use this running rl-proxy (its root URL) instead of starting one")
-    admin_token: str | None = None
-    upstream: str | None = Field(None, description="attach the proxy to this OpenAI-compatible base URL")
-    model: str = Field("default", description="launch vLLM for this model when there is no upstream")
-    db: str | None = Field(None, description="the store [default: <out>/rl-proxy.db]")
-    max_model_len: int | None = None
-    max_completion_tokens: int | None = None
-    token_ids: bool = Field(True, description="false for an upstream other than vLLM: calls recorded as text")
     upstream_api_key_env: str | None = Field(None, description="the variable holding the upstream's API key")
-    vllm_args: list[str] = Field(default_factory=list, description="extra arguments of a launched vLLM")
+
+    def settings(self, out_dir: Path) -> Settings:
+        """The proxy's settings for a run whose outputs go to `out_dir`."""
+        given = self.model_dump(exclude={"url", "upstream_api_key_env"})
+        if "db" not in self.model_fields_set:
+            given["db"] = str(out_dir / "rl-proxy.db")
+        if self.upstream_api_key_env:
+            given["upstream_api_key"] = os.environ.get(self.upstream_api_key_env)
+        return Settings(**given)
 
 
 class CollectConfig(Strict):

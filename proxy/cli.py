@@ -26,17 +26,20 @@ def _settings(**given: Any) -> Settings:
         raise typer.BadParameter(str(exc)) from exc
 
 
+def _about(name: str) -> str:
+    """A serve option's help: the setting's own description, documented once in Settings."""
+    return f"{Settings.model_fields[name].description} [RLP_{name.upper()}]"
+
+
 @app.command()
 def serve(
-    upstream: Annotated[str | None, typer.Option(help="attach to this OpenAI-compatible base URL (…/v1)")] = None,
-    model: Annotated[
-        str | None, typer.Option(help="launch vLLM for this model: 'default', an HF dir or hub name")
-    ] = None,
+    upstream: Annotated[str | None, typer.Option(help=_about("upstream"))] = None,
+    model: Annotated[str | None, typer.Option(help=_about("model"))] = None,
     db: DbOption = None,
-    host: Annotated[str | None, typer.Option(help="address to bind [default: 127.0.0.1]")] = None,
-    port: Annotated[int | None, typer.Option(help="port to bind [default: 8000]")] = None,
-    admin_token: Annotated[str | None, typer.Option(help="bearer token for /admin (needed off loopback)")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="context length of a launched vLLM")] = None,
+    host: Annotated[str | None, typer.Option(help=_about("host"))] = None,
+    port: Annotated[int | None, typer.Option(help=_about("port"))] = None,
+    admin_token: Annotated[str | None, typer.Option(help=_about("admin_token"))] = None,
+    max_model_len: Annotated[int | None, typer.Option(help=_about("max_model_len"))] = None,
     reject_unknown_sessions: Annotated[bool, typer.Option(help="refuse keys not created through /admin")] = False,
 ) -> None:
     """Run the recording proxy, in front of an upstream or of a vLLM it launches and supervises."""

@@ -24,8 +24,8 @@ class Settings(BaseSettings):
     model: str = Field("default", description="model to launch: 'default', an HF dir or hub name")
     served_model_name: str | None = Field(None, description="name clients use; default: derived")
     db: str = Field(default_factory=default_db, description="SQLAlchemy URL or SQLite path")
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field("127.0.0.1", description="address to bind (off loopback, /admin needs a token)")
+    port: int = Field(8000, description="port to bind")
     admin_token: str | None = Field(None, description="bearer token of /admin (needed off loopback)")
     create_sessions: bool = Field(True, description="create unknown sessions on first use")
     max_body_bytes: int = 32 * 1024 * 1024

@@ -45,6 +45,7 @@ R = TypeVar("R")
 
 def translated(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     """A store method whose database failures are raised as StoreError."""
+
     @functools.wraps(method)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:

@@ -71,7 +71,7 @@ class TrainConfig(CollectConfig):
     @model_validator(mode="after")
     def reachable(self) -> TrainConfig:
         p = self.proxy
-        if p.url and not (p.db and p.upstream):
+        if p.url and not ("db" in p.model_fields_set and p.upstream):
             raise ValueError(
                 "proxy: with 'url' (a running proxy), training also needs its 'db' and its vLLM 'upstream'"
             )

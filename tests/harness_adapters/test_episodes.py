@@ -256,3 +256,25 @@ def test_each_harness_and_reward_kind_checks_its_own_keys(tmp_path: Path, sectio
     (tmp_path / "c.yaml").write_text(f"run: x\ntasks: t.jsonl\n{section}\n")
     with pytest.raises(ConfigError, match=re.escape(named)):
         load_config(tmp_path / "c.yaml", CollectConfig)
+
+
+def test_the_proxy_section_takes_the_serve_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One settings model for serve, collect and train: the section's names are Settings' own."""
+    monkeypatch.setenv("MY_PROVIDER_KEY", "sk-test")
+    (tmp_path / "c.yaml").write_text(
+        "run: x\ntasks: t.jsonl\nharness: {type: command, argv: [x]}\n"
+        "proxy: {upstream: 'http://h:1/v1', max_completion_tokens: 64, upstream_token_ids: false,"
+        " upstream_api_key_env: MY_PROVIDER_KEY}\n"
+    )
+    settings = load_config(tmp_path / "c.yaml", CollectConfig).proxy.settings(tmp_path / "out")
+    assert (settings.upstream, settings.max_completion_tokens, settings.upstream_token_ids) == (
+        "http://h:1/v1",
+        64,
+        False,
+    )
+    assert settings.upstream_api_key == "sk-test" and settings.db == str(tmp_path / "out" / "rl-proxy.db")
+    (tmp_path / "c.yaml").write_text(
+        "run: x\ntasks: t.jsonl\nharness: {type: command, argv: [x]}\nproxy: {token_ids: false}\n"
+    )
+    with pytest.raises(ConfigError, match=r"proxy\.token_ids: Extra inputs are not permitted"):
+        load_config(tmp_path / "c.yaml", CollectConfig)
