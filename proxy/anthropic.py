@@ -76,20 +76,22 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     return jsonable(chat), tool_map
 
 
+def object_arguments(raw: str) -> str:
+    """Anthropic's tool_use `input` must be an object, and clients refuse anything else; a small
+    model may well write `"2,3"`, `[1, 2]` or broken JSON. Such arguments are passed on, unparsed,
+    as `{"_raw_arguments": "<what the model wrote>"}` (the recorded tokens are untouched)."""
+    try:
+        parsed = orjson.loads(raw or "{}")
+    except orjson.JSONDecodeError:
+        parsed = None
+    return (raw or "{}") if isinstance(parsed, dict) else orjson.dumps({"_raw_arguments": raw}).decode()
+
+
 def _object_arguments(chat_response: dict[str, Any]) -> None:
-    """Anthropic's tool_use `input` must be an object, and litellm refuses anything else; a small
-    model may well write `[1, 2]` or broken JSON. Such arguments are passed on, unparsed, as
-    `{"_raw_arguments": "<what the model wrote>"}` (the recorded tokens are untouched)."""
     for choice in chat_response.get("choices") or []:
         for call in (choice.get("message") or {}).get("tool_calls") or []:
             function = call.get("function") or {}
-            raw = function.get("arguments") or "{}"
-            try:
-                parsed = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                parsed = None
-            if not isinstance(parsed, dict):
-                function["arguments"] = orjson.dumps({"_raw_arguments": raw}).decode()
+            function["arguments"] = object_arguments(function.get("arguments") or "")
 
 
 def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[str, Any]:
@@ -131,6 +133,39 @@ async def messages(request: Request) -> Response:
     return json_response(message)
 
 
+def _hold_arguments(
+    choice: dict[str, Any], tool_ids: dict[tuple[int, int], str], held: dict[tuple[int, int], str]
+) -> bool:
+    """Fix up one streamed choice's tool-call deltas in place; whether that emptied it. vLLM
+    names a tool call's id in its first delta only, and litellm gives every later delta without
+    one a fresh id (a new, nameless tool_use block): every delta gets its call's id. The
+    arguments are held back and sent whole at the choice's finish, as a JSON object
+    (`object_arguments`): a client parses the partial JSON as it comes and fails on arguments
+    that are not an object."""
+    index = choice.get("index", 0)
+    delta = choice["delta"] = choice.get("delta") or {}
+    calls = delta.get("tool_calls") or []
+    kept = []
+    for call in calls:
+        key = (index, call.get("index", 0))
+        call["id"] = tool_ids.setdefault(key, call.get("id") or f"toolu_{key[1]}")
+        function = call.get("function") or {}
+        held[key] = held.get(key, "") + (function.pop("arguments", None) or "")
+        if function.get("name"):
+            kept.append(call)
+    if choice.get("finish_reason"):
+        kept += [{"index": i, "id": tool_ids[c, i], "function": {"arguments": object_arguments(held.pop((c, i)))}}
+                 for c, i in list(held) if c == index]  # fmt: skip
+        if tool_ids and choice["finish_reason"] == "stop":  # as in to_message
+            choice["finish_reason"] = "tool_calls"
+    if kept:
+        delta["tool_calls"] = kept
+    elif calls:
+        del delta["tool_calls"]
+        return not choice.get("finish_reason") and not delta.get("content")
+    return False
+
+
 def _relay(
     call: Call, resp: aiohttp.ClientResponse, data: Any, tool_map: dict[str, str], model: str
 ) -> AsyncIterator[bytes]:
@@ -141,6 +176,7 @@ def _relay(
     capture = Capture()
     broken: list[str] = []  # litellm's translator ends the stream on an error instead of raising it
     tool_ids: dict[tuple[int, int], str] = {}
+    arguments: dict[tuple[int, int], str] = {}  # held back: sent whole, as an object, at the finish
 
     async def chunks() -> AsyncIterator[Any]:
         try:
@@ -148,14 +184,9 @@ def _relay(
                 capture.add_chunk(chunk)
                 if nothing_to_translate(capture, chunk):
                     continue  # recorded, but nothing for the client
-                # vLLM names a tool call's id in its first delta only; litellm gives every later
-                # delta without one a fresh id and so a new, nameless tool_use block.
-                for choice in chunk.get("choices") or []:
-                    for delta in (choice.get("delta") or {}).get("tool_calls") or []:
-                        key = (choice.get("index", 0), delta.get("index", 0))
-                        delta["id"] = tool_ids.setdefault(key, delta.get("id") or f"toolu_{key[1]}")
-                    if tool_ids and choice.get("finish_reason") == "stop":  # as in to_message
-                        choice["finish_reason"] = "tool_calls"
+                emptied = [_hold_arguments(choice, tool_ids, arguments) for choice in chunk["choices"]]
+                if emptied and all(emptied):
+                    continue  # only tool arguments, held back
                 yield ModelResponseStream(**chunk)
         except StreamBroken as exc:
             broken.append(str(exc))

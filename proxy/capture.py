@@ -172,11 +172,12 @@ def carries_output(chunk: dict[str, Any]) -> bool:
 
 
 def nothing_to_translate(capture: Capture, chunk: dict[str, Any]) -> bool:
-    """A chunk (already captured) that a translating route skips: one without choices, or one
-    with only the token ids vLLM's tool parser sends while it holds text back, which must not
-    become empty blocks or items. The first chunk of a choice goes through: it opens the answer."""
+    """A chunk (already captured) that a translating route skips: one with neither choices nor
+    usage, or one with only the token ids vLLM's tool parser sends while it holds text back,
+    which must not become empty blocks or items. The first chunk of a choice goes through: it
+    opens the answer."""
     if not chunk.get("choices"):
-        return True
+        return not chunk.get("usage")
     first = capture.choices.get(0)
     return not carries_output(chunk) and first is not None and len(first.token_ids) > 0
 
