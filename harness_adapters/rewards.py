@@ -21,6 +21,7 @@ import inspect
 import math
 import os
 import re
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -58,12 +59,12 @@ class RewardSource(BaseModel):
         """This source with its file references relative to the config's directory."""
         return self
 
+    @abstractmethod
     async def score(
         self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
     ) -> float:
         """This source's value for one episode (unweighted); `posted` is what the harness
         posted itself, if anything."""
-        raise NotImplementedError
 
 
 class PythonReward(RewardSource):
