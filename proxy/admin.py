@@ -45,6 +45,12 @@ class RewardIn(BaseModel):
     value: float
     source: str = Field("admin", max_length=64, pattern=r"^[^\x00]*$")
     seq: int | None = Field(None, ge=1, le=2**31 - 1, description="reward one call (its number in the session) only")
+    id: str | None = Field(
+        None,
+        max_length=64,
+        pattern=r"^[^\x00]*$",
+        description="the reward's own id: posted again, it counts once",
+    )
 
     @field_validator("value")
     @classmethod
@@ -139,7 +145,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
 @admin.post("/sessions/{session_id}/reward")
 async def post_reward(session_id: str, body: RewardIn, request: Request) -> dict[str, Any]:
     await _existing(request, session_id)
-    await _state(request).store.add_reward(session_id, body.value, body.source, body.seq)
+    await _state(request).store.add_reward(session_id, body.value, body.source, body.seq, body.id)
     return session_json(await _existing(request, session_id))
 
 

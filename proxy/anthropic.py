@@ -118,7 +118,7 @@ async def messages(request: Request) -> Response:
     ask_for_tokens(state, chat)
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    call = Call(state, API, session, state.store.next_seq(session.id), body, stream)
+    call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
     call.rewrites = await fit_to_backend(state, chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)

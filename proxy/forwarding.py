@@ -197,9 +197,10 @@ class Call:
 
     async def commit(self, call: CallRecord) -> None:
         try:
-            await self.state.store.record(call)
+            call = await self.state.store.record(call)
         except Exception as exc:  # a StoreError in the database's own words, or anything else: never lost silently
             raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {exc}") from exc
+        self.state.numbers.recorded(call)
         if self.on_recorded is not None:
             self.on_recorded(call)
 

@@ -86,7 +86,7 @@ async def forward(request: Request, api: Api) -> Response:
     validate(body, api, state.settings.max_choices)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
-    call = Call(state, api.name, session, state.store.next_seq(session.id), body, stream)
+    call = Call(state, api.name, session, await state.numbers.next(state.store, session.id), body, stream)
     keep_tokens = bool(body.get("return_token_ids"))
     keep_logprobs = bool(body.get("logprobs")) if api.chat else body.get("logprobs") is not None
     upstream_body = dict(body)

@@ -227,7 +227,7 @@ async def responses(request: Request) -> Response:
     stream = bool(body.get("stream"))
     chat = to_chat(body, await conversation(request, session, body), stream)
     ask_for_tokens(state, chat)
-    call = Call(state, API, session, state.store.next_seq(session.id), body, stream)
+    call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
     call.response_id = f"resp_{uuid.uuid4().hex}"
     call.on_recorded = request.app.state.recent_responses.remember
     call.rewrites = await fit_to_backend(state, chat)

@@ -1,21 +1,77 @@
-"""What one proxy app holds while it runs: settings, store, upstreams, metrics (app.state.rlp)."""
+"""What one proxy app holds while it runs: settings, recorder, upstreams, metrics (app.state.rlp),
+and the narrow seam to the recorder: the few things the proxy asks of a store."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.upstream import Upstreams
-from recorder import CallRecord, Store
+from recorder import CallRecord, SessionInfo
+
+
+class Recorder(Protocol):
+    """What the proxy needs of a store (recorder.Store is one). Failures are recorder.errors'
+    StoreError (StoreValueError for a value the store refuses) and SessionConflict."""
+
+    @property
+    def queue_depth(self) -> int: ...  # writes waiting to be committed
+    @property
+    def write_failures(self) -> int: ...
+    def record(self, call: CallRecord) -> Awaitable[CallRecord]: ...  # once committed, as numbered
+    def session_by_key(self, key: str) -> Awaitable[SessionInfo | None]: ...
+    def resolve_session(self, info: SessionInfo) -> Awaitable[SessionInfo]: ...  # created on first use
+    def create_session(self, info: SessionInfo) -> Awaitable[SessionInfo]: ...
+    def get_session(self, session_id: str) -> Awaitable[SessionInfo | None]: ...
+    def list_sessions(self, *, run: str | None = None, limit: int | None = None) -> Awaitable[list[SessionInfo]]: ...
+    def last_seq(self, session_id: str) -> Awaitable[int]: ...
+    def add_reward(
+        self, session_id: str, value: float, source: str, call_seq: int | None = None, reward_id: str | None = None
+    ) -> Awaitable[None]: ...
+    def end_session(
+        self, session_id: str, status: str = "ended", metadata: dict[str, Any] | None = None
+    ) -> Awaitable[None]: ...
+    def stored_response(
+        self, session_id: str, response_id: str
+    ) -> Awaitable[tuple[dict[str, Any], dict[str, Any]] | None]: ...
+
+
+class CallNumbers:
+    """Each session's call numbers (1, 2, ...), counted on the event loop only. A session first
+    seen here continues after its last recorded call; a call the store moved (another proxy took
+    its number first) moves the count on. Sessions not used for a while are forgotten and read
+    again when they come back, so memory stays bounded."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._last: OrderedDict[str, int] = OrderedDict()
+        self._limit = limit
+
+    async def next(self, recorder: Recorder, session_id: str) -> int:
+        if session_id not in self._last:
+            last = await recorder.last_seq(session_id)
+            self._last[session_id] = max(last, self._last.get(session_id, 0))  # another call may have come first
+        self._last.move_to_end(session_id)
+        self._last[session_id] += 1
+        if len(self._last) > self._limit:
+            self._last.popitem(last=False)
+        return self._last[session_id]
+
+    def recorded(self, call: CallRecord) -> None:
+        if call.seq > self._last.get(call.session_id, call.seq):
+            self._last[call.session_id] = call.seq
 
 
 @dataclass
 class ProxyState:
     settings: Settings
-    store: Store
+    store: Recorder
     upstreams: Upstreams
     metrics: Metrics = field(default_factory=Metrics)
+    numbers: CallNumbers = field(default_factory=CallNumbers)
 
     def observe(self, call: CallRecord) -> None:
         m = self.metrics

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
+from uuid import uuid4
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class CallRecord:
     finished_at: datetime
     rewrites: dict[str, Any] = field(default_factory=dict)  # what the proxy changed: {name: [was, now]}
     response_id: str | None = None  # the Responses API's id of this answer (previous_response_id)
+    # Chosen where the call is made and unique in the store: a write retried after a commit whose
+    # answer was lost finds its call already there instead of writing it twice.
+    call_id: str = field(default_factory=lambda: uuid4().hex)
 
     @property
     def latency_ms(self) -> float:

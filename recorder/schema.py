@@ -22,7 +22,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run, or, where SQL cannot
 # say it (hashing), a function given the connection.
@@ -34,6 +34,12 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         "CREATE INDEX ix_calls_response_id ON calls (response_id)",
     ],
     4: [lambda conn: _hash_session_keys(conn)],  # keys are credentials: only their digests kept
+    5: [  # ids chosen by the writer, so that a retried write cannot be recorded twice
+        "ALTER TABLE calls ADD COLUMN call_id VARCHAR(64)",
+        "CREATE UNIQUE INDEX ix_calls_call_id ON calls (call_id)",
+        "ALTER TABLE rewards ADD COLUMN reward_id VARCHAR(64)",
+        "CREATE UNIQUE INDEX ix_rewards_reward_id ON rewards (reward_id)",
+    ],
 }
 
 
@@ -129,6 +135,7 @@ class CallRow(Base):
     latency_ms: Mapped[float]
     rewrites: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     response_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    call_id: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)  # None: written before version 6
 
 
 class CompletionRow(Base):
@@ -148,6 +155,7 @@ class RewardRow(Base):
     source: Mapped[str] = mapped_column(String(64))
     call_seq: Mapped[int | None]  # a reward for one call of the session; None: for the session
     created_at: Mapped[datetime]
+    reward_id: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)  # None: before version 6
 
 
 ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}

@@ -7,6 +7,8 @@ answers the client. One thread hop per batch is what keeps recording under a mil
 same insert through SQLAlchemy's async engine took 1.7-2.5 ms (six aiosqlite hops and the async
 session machinery; see docs/benchmarks.md, "Proxy overhead"). Reads use the async engine
 (aiosqlite). If a batch fails, its writes are retried one by one so that one bad record cannot lose the others.
+Every write is idempotent (a call carries its own `call_id`, a reward its `reward_id`, a session
+is created once): a batch whose connection dropped, even during COMMIT, is simply sent again.
 SQLite runs with journal_mode=WAL and synchronous=FULL.
 """
 
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import orjson
 from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, text, update
@@ -48,6 +52,7 @@ log = logging.getLogger("rl_proxy.recorder")
 Op = Callable[[Connection], object]
 Write = CallRecord | Op
 MAX_BATCH = 512
+KNOWN_KEYS = 100_000  # sessions looked up by key that stay in memory (the least recently used go)
 
 
 def utcnow() -> datetime:
@@ -70,28 +75,37 @@ def _session_info(row: SessionRow, reward: float | None = None, calls: int = 0) 
     )
 
 
-def _number_calls(conn: Connection, calls: list[CallRecord]) -> list[CallRecord]:
-    """Calls numbered so that none takes a number already in the database. One proxy numbers
-    its calls itself and nothing changes (concurrent calls may commit out of order). When several
+def _number_calls(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecord], list[CallRecord]]:
+    """(the calls as recorded, those of them still to insert). A call whose `call_id` is already
+    stored (a write sent again after its commit's answer was lost) is returned as stored. The
+    others are numbered so that none takes a number already in the database: one proxy numbers
+    its calls itself and nothing changes (concurrent calls may commit out of order); when several
     proxies serve one session (round robin behind a load balancer), a call whose number another
     one took first moves to the end of the session."""
-    sessions, seqs = {c.session_id for c in calls}, {c.seq for c in calls}
+    stored_query = select(CallRow.call_id, CallRow.seq).where(CallRow.call_id.in_([c.call_id for c in calls]))
+    stored = dict(conn.execute(stored_query).tuples().all())
+    new = [c for c in calls if c.call_id not in stored]
+    sessions, seqs = {c.session_id for c in new}, {c.seq for c in new}
     where = CallRow.session_id.in_(sessions), CallRow.seq.in_(seqs)
-    taken = set(conn.execute(select(CallRow.session_id, CallRow.seq).where(*where)).tuples())
-    if not taken:
-        return calls
-    last_query = select(CallRow.session_id, func.max(CallRow.seq)).where(where[0]).group_by(CallRow.session_id)
-    last = dict(conn.execute(last_query).tuples().all())
+    taken = set(conn.execute(select(CallRow.session_id, CallRow.seq).where(*where)).tuples()) if new else set()
+    last: dict[str, int] = {}
+    if taken:
+        last_query = select(CallRow.session_id, func.max(CallRow.seq)).where(where[0]).group_by(CallRow.session_id)
+        last = dict(conn.execute(last_query).tuples().all())
+        for call in new:
+            last[call.session_id] = max(last.get(call.session_id, 0), call.seq)
+    recorded, to_insert = [], []
     for call in calls:
-        last[call.session_id] = max(last.get(call.session_id, 0), call.seq)
-    numbered = []
-    for call in calls:
+        if call.call_id in stored:
+            recorded.append(replace(call, seq=stored[call.call_id]))
+            continue
         if (call.session_id, call.seq) in taken:
             last[call.session_id] += 1
             call = replace(call, seq=last[call.session_id])
         taken.add((call.session_id, call.seq))
-        numbered.append(call)
-    return numbered
+        recorded.append(call)
+        to_insert.append(call)
+    return recorded, to_insert
 
 
 def _insert_calls(conn: Connection, calls: list[CallRecord]) -> None:
@@ -150,10 +164,9 @@ class Store:
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder-writer")
         self._write_conn: Connection | None = None
-        self._queue: asyncio.Queue[tuple[Write, asyncio.Future[None]] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Write, asyncio.Future[Any]] | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
-        self._by_key: dict[str, SessionInfo] = {}
-        self._seq: dict[str, int] = {}
+        self._by_key: OrderedDict[str, SessionInfo] = OrderedDict()  # key digest: its session
         self._creating: dict[str, asyncio.Future[None]] = {}  # key digest: its session's insert
         self._new_ids: set[str] = set()  # ids of those sessions
         self.write_failures = 0
@@ -205,12 +218,12 @@ class Store:
 
     # -- writing -------------------------------------------------------------------------
 
-    def submit(self, op: Write) -> asyncio.Future[None]:
+    def submit(self, op: Write) -> asyncio.Future[Any]:
         """Queue a write (a call, or an operation on a session); the future resolves once it is
-        committed."""
+        committed, to the call as recorded (or to what the operation returned)."""
         if self._writer is None:
             raise RuntimeError("Store is not open")
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((op, done))
         return done
 
@@ -228,39 +241,37 @@ class Store:
             if batch:
                 await self._commit(batch)
 
-    def _commit_sync(self, writes: list[Write]) -> None:
-        # The writer thread keeps one connection for the store's life: no pool round trip a batch.
-        # A connection the server dropped (a restart) is replaced, and the batch sent again if it
-        # failed before its commit was sent (so that nothing can be written twice).
+    def _commit_sync(self, writes: list[Write]) -> list[Any]:
+        """Commit `writes` in one transaction; what each resolves to. The writer thread keeps one
+        connection for the store's life (no pool round trip a batch). A connection the server
+        dropped (a restart) is replaced and the batch sent again, even if it dropped during
+        COMMIT: every write is idempotent, so one that was committed is not written twice."""
         for attempt in range(2):
             if self._write_conn is None:
                 self._write_conn = self.write_engine.connect()
-            conn, committing = self._write_conn, False
+            conn = self._write_conn
             try:
                 with conn.begin():
-                    for write in writes:  # sessions before calls: a call's session must exist
-                        if not isinstance(write, CallRecord):
-                            write(conn)
-                    calls = [w for w in writes if isinstance(w, CallRecord)]
+                    # sessions before calls: a call's session must exist
+                    results = {i: w(conn) for i, w in enumerate(writes) if not isinstance(w, CallRecord)}
+                    calls = [(i, w) for i, w in enumerate(writes) if isinstance(w, CallRecord)]
                     if calls:
-                        calls = _number_calls(conn, calls)
-                        _insert_calls(conn, calls)
-                    committing = True
-                break
+                        recorded, to_insert = _number_calls(conn, [w for _, w in calls])
+                        if to_insert:
+                            _insert_calls(conn, to_insert)
+                        results.update(zip([i for i, _ in calls], recorded, strict=True))
+                return [results[i] for i in range(len(writes))]
             except Exception:
-                if not conn.invalidated:
+                if not conn.invalidated or attempt == 1:
                     raise
                 conn.close()
                 self._write_conn = None
-                if committing or attempt == 1:
-                    raise
-        for call in calls:  # numbering continues after a call another proxy moved
-            self._seq[call.session_id] = max(self._seq.get(call.session_id, 0), call.seq)
+        raise AssertionError("unreachable")
 
-    async def _commit(self, batch: list[tuple[Write, asyncio.Future[None]]]) -> None:
+    async def _commit(self, batch: list[tuple[Write, asyncio.Future[Any]]]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._thread, self._commit_sync, [w for w, _ in batch])
+            results = await loop.run_in_executor(self._thread, self._commit_sync, [w for w, _ in batch])
         except Exception as exc:
             if len(batch) == 1:
                 self.write_failures += 1
@@ -272,16 +283,17 @@ class Store:
                 await self._commit([one])
             return
         self.committed_batches += 1
-        for _, done in batch:
-            _settle(done, None)
+        for (_, done), result in zip(batch, results, strict=True):
+            _settle(done, None, result)
 
-    def record_nowait(self, call: CallRecord) -> asyncio.Future[None]:
+    def record_nowait(self, call: CallRecord) -> asyncio.Future[CallRecord]:
         return self.submit(call)
 
     @translated
-    async def record(self, call: CallRecord) -> None:
-        """Persist one call; returns once it is committed."""
-        await self.record_nowait(call)
+    async def record(self, call: CallRecord) -> CallRecord:
+        """Persist one call; returns it as recorded (its number may have moved: `_number_calls`)
+        once it is committed."""
+        return await self.record_nowait(call)
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -293,16 +305,27 @@ class Store:
             await asyncio.wait([creating])
         cached = self._by_key.get(digest)
         if cached is not None:
+            self._by_key.move_to_end(digest)
             return cached
         async with self._sessions() as s:
             row = await s.scalar(select(SessionRow).where(SessionRow.key == digest))
-            if row is None:
-                return None
-            last = await s.scalar(select(func.max(CallRow.seq)).where(CallRow.session_id == row.id))
+        if row is None:
+            return None
         info = _session_info(row)
-        self._seq[info.id] = max(self._seq.get(info.id, 0), last or 0)
-        self._by_key[digest] = info
+        self._remember(digest, info)
         return info
+
+    def _remember(self, digest: str, info: SessionInfo) -> None:
+        self._by_key[digest] = info
+        if len(self._by_key) > KNOWN_KEYS:
+            self._by_key.popitem(last=False)
+
+    @translated
+    async def last_seq(self, session_id: str) -> int:
+        """The highest call number recorded in a session (0 if none)."""
+        async with self.engine.connect() as conn:
+            last = await conn.scalar(select(func.max(CallRow.seq)).where(CallRow.session_id == session_id))
+        return last or 0
 
     @translated
     async def create_session(self, info: SessionInfo) -> SessionInfo:
@@ -328,7 +351,13 @@ class Store:
             "status": created.status,
             "created_at": created.created_at,
         }
-        committed = self._creating[digest] = self.submit(lambda conn: conn.execute(insert(SessionRow).values(values)))
+
+        def create(conn: Connection) -> None:  # sent again after a lost COMMIT answer, it finds itself
+            mine = select(SessionRow.id).where(SessionRow.id == info.id, SessionRow.key == digest)
+            if conn.scalar(mine) is None:
+                conn.execute(insert(SessionRow).values(values))
+
+        committed = self._creating[digest] = self.submit(create)
         self._new_ids.add(info.id)
         try:
             await committed
@@ -341,8 +370,7 @@ class Store:
         finally:
             self._new_ids.discard(info.id)
             del self._creating[digest]
-        self._by_key[digest] = replace(created, key=digest)
-        self._seq[created.id] = 0
+        self._remember(digest, replace(created, key=digest))
         return created
 
     @translated
@@ -359,18 +387,22 @@ class Store:
                 raise
             return found
 
-    def next_seq(self, session_id: str) -> int:
-        """The next call number in a session (sessions are resolved before their calls)."""
-        self._seq[session_id] = self._seq.get(session_id, 0) + 1
-        return self._seq[session_id]
-
     @translated
-    async def add_reward(self, session_id: str, value: float, source: str, call_seq: int | None = None) -> None:
-        """A reward for the session, or for its call number `call_seq`."""
+    async def add_reward(
+        self, session_id: str, value: float, source: str, call_seq: int | None = None, reward_id: str | None = None
+    ) -> None:
+        """A reward for the session, or for its call number `call_seq`. A reward posted again with
+        the same `reward_id` (a client's retry) is kept once."""
         values = {
-            "session_id": session_id, "value": value, "source": source, "call_seq": call_seq, "created_at": utcnow()
+            "session_id": session_id, "value": value, "source": source, "call_seq": call_seq, "created_at": utcnow(),
+            "reward_id": reward_id or uuid4().hex,
         }  # fmt: skip
-        await self.submit(lambda conn: conn.execute(insert(RewardRow).values(values)))
+
+        def add(conn: Connection) -> None:
+            if conn.scalar(select(RewardRow.id).where(RewardRow.reward_id == values["reward_id"])) is None:
+                conn.execute(insert(RewardRow).values(values))
+
+        await self.submit(add)
 
     @translated
     async def end_session(self, session_id: str, status: str = "ended", metadata: dict[str, Any] | None = None) -> None:
@@ -470,11 +502,11 @@ class Store:
             last = rows[-1][key.name]
 
 
-def _settle(done: asyncio.Future[None], exc: BaseException | None) -> None:
+def _settle(done: asyncio.Future[Any], exc: BaseException | None, result: Any = None) -> None:
     if done.done():
         return
     if exc is None:
-        done.set_result(None)
+        done.set_result(result)
     else:
         done.set_exception(exc)
 

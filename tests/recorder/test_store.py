@@ -8,14 +8,21 @@ from dataclasses import replace
 from pathlib import Path
 
 import orjson
+import psycopg
 import pytest
 from sqlalchemy import text
 
+from proxy.state import CallNumbers
 from recorder import SessionInfo, Store
 from recorder.export import export
 from recorder.schema import key_digest, pack, unpack
 from recorder.store import SchemaMismatch, SessionConflict, async_url
 from tests.support.samples import call
+
+DISCONNECTS = {  # what each driver raises when the server goes away (SQLAlchemy's is_disconnect)
+    "postgresql": lambda: psycopg.OperationalError("server closed the connection unexpectedly"),
+    "sqlite": lambda: sqlite3.ProgrammingError("Cannot operate on a closed database."),
+}
 
 
 def test_packing_round_trips_exactly() -> None:
@@ -36,11 +43,11 @@ async def test_calls_sessions_and_rewards_round_trip(db: str) -> None:
     async with Store(db) as store:
         info = await store.resolve_session(SessionInfo(id="a", key="key-a", run="r", task_id="t"))
         assert await store.resolve_session(SessionInfo(id="b", key="key-a")) == replace(info, key=key_digest("key-a"))
-        await asyncio.gather(*(store.record(call("a", store.next_seq("a"), [i, i + 1])) for i in range(40)))
+        await asyncio.gather(*(store.record(call("a", i + 1, [i, i + 1])) for i in range(40)))
         await store.add_reward("a", 1.0, "verifier")
         await store.add_reward("a", -0.25, "judge")
         assert store.committed_batches < 40  # grouped commits
-    async with Store(db) as store:  # reopened: everything is there, numbering continues
+    async with Store(db) as store:  # reopened: everything is there
         [session] = await store.list_sessions()
         assert (session.calls, session.reward, session.run, session.task_id) == (40, 0.75, "r", "t")
         calls = [c async for c in store.iter_calls("a", batch=7)]
@@ -49,8 +56,7 @@ async def test_calls_sessions_and_rewards_round_trip(db: str) -> None:
         assert calls[5].prompt_token_ids == [1, 2, 3, 6]
         assert calls[5].latency_ms == pytest.approx(5.0)
         assert (calls[5].policy_version, calls[5].policy_version_end) == ("v1", "v2")
-        await store.session_by_key("key-a")
-        assert store.next_seq("a") == 41
+        assert await store.last_seq("a") == 40
 
 
 async def test_one_bad_write_loses_no_other(db: str) -> None:
@@ -85,16 +91,56 @@ async def test_two_stores_on_one_session_number_calls_without_collisions(db: str
     """Two proxies serving one session (round robin behind a load balancer): each numbers calls
     from what it knew, and a number the other took first moves the call to the session's end."""
     async with Store(db) as one, Store(db) as two:
+        numbers = {one: CallNumbers(), two: CallNumbers()}  # each proxy's own count
+
+        async def record(store: Store, tokens: list[int]) -> None:
+            numbers[store].recorded(await store.record(call("a", await numbers[store].next(store, "a"), tokens)))
+
         await one.resolve_session(SessionInfo(id="a", key="a"))
         await two.resolve_session(SessionInfo(id="a", key="a"))
         for turn in range(6):
-            store = (one, two)[turn % 2]
-            await store.record(call("a", store.next_seq("a"), [turn]))
-        both = [store.record(call("a", store.next_seq("a"), [9])) for store in (one, two) for _ in range(10)]
-        await asyncio.gather(*both)
+            await record((one, two)[turn % 2], [turn])
+        await asyncio.gather(*(record(store, [9]) for store in (one, two) for _ in range(10)))
         calls = [c async for c in one.iter_calls("a")]
     assert [c.seq for c in calls] == list(range(1, 27))
     assert [c.completions[0].token_ids for c in calls[:6]] == [[t] for t in range(6)]
+
+
+async def test_call_numbers_continue_a_stored_session_and_stay_bounded(db: str) -> None:
+    async with Store(db) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        await store.resolve_session(SessionInfo(id="b", key="b"))
+        for seq in (1, 2, 3):
+            await store.record(call("a", seq, [seq]))
+        numbers = CallNumbers(limit=1)
+        assert [await numbers.next(store, "a") for _ in range(2)] == [4, 5]
+        assert await numbers.next(store, "b") == 1  # "a" is forgotten: one session is kept
+        assert await numbers.next(store, "a") == 4  # read again: 4 and 5 were never recorded
+
+
+async def test_a_batch_sent_again_after_a_lost_commit_answer_is_recorded_once(db: str) -> None:
+    """The connection drops while COMMIT's answer is on its way: the batch was committed, the
+    writer cannot know it and sends it again. Nothing may be written twice."""
+    async with Store(db) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        dialect = store.write_engine.dialect
+        commit, dropped = dialect.do_commit, []
+
+        def commit_then_drop(dbapi_connection: object) -> None:
+            commit(dbapi_connection)
+            if not dropped:
+                dropped.append(True)
+                raise DISCONNECTS[dialect.name]()
+
+        dialect.do_commit = commit_then_drop  # type: ignore[method-assign]
+        writes = [store.record_nowait(call("a", seq, [seq])) for seq in (1, 2, 3)]
+        writes.append(asyncio.ensure_future(store.add_reward("a", 1.0, "verifier", reward_id="r-1")))
+        recorded = await asyncio.gather(*writes)
+        await store.add_reward("a", 1.0, "verifier", reward_id="r-1")  # a client's retry
+        assert dropped and [c.seq for c in recorded[:3]] == [1, 2, 3]
+        assert [c.seq async for c in store.iter_calls("a")] == [1, 2, 3]
+        [session] = await store.list_sessions()
+        assert session.reward == 1.0 and store.write_failures == 0
 
 
 async def test_token_arrays_are_stored_packed(tmp_path: Path) -> None:
@@ -142,6 +188,10 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         await store.record(call("a", 1, [5]))
         await store.add_reward("a", 1.0, "verifier")
     with sqlite3.connect(db) as conn:  # make it a version-1 store, as the first release wrote it
+        for index in ("ix_calls_call_id", "ix_rewards_reward_id"):
+            conn.execute(f"drop index {index}")
+        conn.execute("alter table calls drop column call_id")
+        conn.execute("alter table rewards drop column reward_id")
         conn.execute("alter table rewards drop column call_seq")
         conn.execute("alter table calls drop column rewrites")
         conn.execute("drop index ix_calls_response_id")
@@ -156,7 +206,7 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         assert session.reward == 1.0 and session.calls == 1
         assert await store.call_rewards("a") == {1: 0.75}
     with sqlite3.connect(db) as conn:
-        assert conn.execute("select version from schema_version").fetchall() == [(5,)]
+        assert conn.execute("select version from schema_version").fetchall() == [(6,)]
         assert conn.execute("select key from sessions").fetchall() == [(key_digest("a"),)]
-        assert conn.execute("select rewrites, response_id from calls").fetchall() == [(None, None)]
+        assert conn.execute("select rewrites, response_id, call_id from calls").fetchall() == [(None, None, None)]
         assert conn.execute("select name from sqlite_master where name = 'ix_calls_response_id'").fetchall()
