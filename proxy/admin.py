@@ -1,10 +1,12 @@
 """The admin API (sessions, rewards) behind a bearer token, and /healthz and /metrics.
 
-The token is required unless the proxy listens on loopback only and none was set.
+The token is required unless the proxy listens on loopback only, none was set, and the request
+comes from this machine unforwarded (no `Forwarded` / `X-Forwarded-For` / `X-Real-IP`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import secrets
 import uuid
@@ -71,15 +73,33 @@ def _state(request: Request) -> ProxyState:
     return state
 
 
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+
+
 async def require_admin(request: Request) -> None:
+    """Without a token, only a request from this machine itself gets in: a loopback peer that no
+    reverse proxy forwarded (a proxy on this machine forwarding the world is a loopback peer)."""
     settings = _state(request).settings
-    if settings.admin_open:
+    forwarded = any(name in request.headers for name in FORWARDING_HEADERS)
+    if settings.admin_open and request.client and _loopback(request.client.host) and not forwarded:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not settings.admin_token:
-        raise Unauthorized("the admin API needs 'Authorization: Bearer <admin token>'")
-    if not secrets.compare_digest(token.strip(), settings.admin_token):
+        why = "a forwarded request or one from another machine" if settings.admin_open else "the admin API"
+        raise Unauthorized(f"{why} needs 'Authorization: Bearer <admin token>' (serve --admin-token)")
+    # As bytes: a header is read as latin-1, and compare_digest refuses non-ASCII text (a 500).
+    if not secrets.compare_digest(token.strip().encode("latin-1"), settings.admin_token.encode()):
         raise Unauthorized("wrong admin token")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or (
+        isinstance(ip, ipaddress.IPv6Address) and bool(ip.ipv4_mapped) and ip.ipv4_mapped.is_loopback
+    )
 
 
 def session_json(info: SessionInfo, request: Request | None = None) -> dict[str, Any]:
@@ -169,7 +189,7 @@ async def refresh_version(request: Request) -> dict[str, Any]:
     resuming vLLM, so that no call starting after the swap is stamped with the old version."""
     upstreams = _state(request).upstreams
     await upstreams.refresh_versions()
-    return {"policy_version": upstreams.first.version, "versions": {u.base_url: u.version for u in upstreams.members}}
+    return {"policy_version": upstreams.first.version, "versions": {u.name: u.version for u in upstreams.members}}
 
 
 ops = APIRouter()
@@ -180,12 +200,10 @@ async def healthz(request: Request) -> dict[str, Any]:
     state = _state(request)
     return {
         "status": "ok",
-        "upstream": state.upstreams.first.base_url,
+        "upstream": state.upstreams.first.name,
         "policy_version": state.upstreams.first.version,
         "stream_gap": state.upstreams.first.stream_gap,  # why streams are asked for whole, if they are
-        "upstreams": [
-            {"url": u.base_url, "alive": u.alive, "policy_version": u.version} for u in state.upstreams.members
-        ],
+        "upstreams": [{"url": u.name, "alive": u.alive, "policy_version": u.version} for u in state.upstreams.members],
         "recorder_queue": state.store.queue_depth,
         "record_failures": state.store.write_failures,
     }

@@ -48,6 +48,12 @@ class Forbidden(ProxyError):
     type = "permission_error"
 
 
+class SessionEnded(ProxyError):
+    status = 409
+    type = "invalid_request_error"
+    code = "session_ended"
+
+
 class NotFound(ProxyError):
     status = 404
     type = "not_found_error"

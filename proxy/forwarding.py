@@ -25,6 +25,7 @@ from proxy.errors import (
     BodyTooLarge,
     Forbidden,
     ProxyError,
+    SessionEnded,
     StoreUnavailable,
     Unauthorized,
     UpstreamUnreachable,
@@ -57,7 +58,7 @@ async def read_json(request: Request, settings: Settings) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
-    raw = b""
+    raw = bytearray()  # grown in place: `bytes +=` copied the whole body for every part
     try:
         async with asyncio.timeout(settings.body_timeout):
             async for part in request.stream():
@@ -105,13 +106,14 @@ async def session_for(request: Request, state: ProxyState) -> SessionInfo:
     key = request_key(request)
     try:
         found = await state.store.session_by_key(key)
-        if found is not None:
-            return found
-        if not state.settings.create_sessions:
+        if found is None and not state.settings.create_sessions:
             raise Unauthorized(f"unknown session key {key[:8]!r}...: create it through the admin API")
-        return await state.store.resolve_session(parse_key(key))
+        found = found or await state.store.resolve_session(parse_key(key))
     except SessionConflict as exc:
         raise Forbidden(f"{exc}: the session belongs to another key") from exc
+    if found.status != "active":  # its episode is over (and maybe scored): it takes no more calls
+        raise SessionEnded(f"session {found.id!r} has ended ({found.status}); start a new one with a new key")
+    return found
 
 
 @dataclass
@@ -152,7 +154,7 @@ class Call:
             seq=self.seq,
             api=self.api,
             model=str(self.request.get("model")),
-            upstream=self.upstream.base_url,
+            upstream=self.upstream.name,
             stream=self.stream,
             request=self.request,
             response=response,

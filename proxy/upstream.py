@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
 
@@ -31,6 +32,7 @@ log = logging.getLogger("rl_proxy.upstream")
 # Stream chunks carry token ids (a first chunk holds the whole prompt's), so lines can be long.
 MAX_LINE = 64 * 1024 * 1024
 MODELS_RETRY = 10.0
+VERSION_PATIENCE = 30  # version reads in a row that fail before it is worth a warning
 
 
 class UpstreamDown(UpstreamUnreachable):
@@ -43,6 +45,8 @@ class Upstream:
     def __init__(self, base_url: str, *, timeout: float, connect_timeout: float, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.root = self.base_url.removesuffix("/v1")
+        # How it is shown (errors, /healthz, logs, the record): without any user:password@.
+        self.name = str(URL(self.base_url).with_user(None))
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.version: str | None = None
         self.models: dict[str, int | None] = {}  # served model -> its context length, if known
@@ -54,6 +58,7 @@ class Upstream:
         # The upstream's own key, if it needs one; a client's key names its session and stays here.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._poller: asyncio.Task[None] | None = None
+        self._version_misses = 0
         self.alive = True
 
     @property
@@ -95,7 +100,7 @@ class Upstream:
             resp = await self.send("GET", "/models")
             data = orjson.loads(await self.read(resp)) if resp.ok else {}
         except (ProxyError, ValueError) as exc:
-            log.warning("served models not read from %s: %s", self.base_url, exc)
+            log.warning("served models not read from %s: %s", self.name, exc)
             return
         self.models = {m["id"]: m.get("max_model_len") for m in data.get("data") or [] if isinstance(m, dict)}
 
@@ -108,13 +113,22 @@ class Upstream:
                 if resp.ok:
                     self.version = str((await resp.json(loads=orjson.loads)).get("weight_version"))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            log.warning("weight version not read from %s: %r", self.root, exc)
+            # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
+            self._version_misses += 1
+            level = logging.WARNING if self._version_misses == VERSION_PATIENCE else logging.DEBUG
+            log.log(
+                level, "weight version not read from %s (%d times in a row): %r", self.name, self._version_misses, exc
+            )
+            return True
+        if self._version_misses >= VERSION_PATIENCE:
+            log.warning("weight version read from %s again", self.name)
+        self._version_misses = 0
         return True
 
     async def _poll_version(self, interval: float) -> None:
         while await self.refresh_version():
             await asyncio.sleep(interval)
-        log.info("upstream %s has no /weight_info: calls get no policy version", self.root)
+        log.info("upstream %s has no /weight_info: calls get no policy version", self.name)
 
     async def send(
         self, method: str, path: str, body: dict[str, Any] | None = None, at_root: bool = False
@@ -130,23 +144,23 @@ class Upstream:
             except aiohttp.ServerDisconnectedError:  # a pooled connection the server had closed:
                 return await self.session.request(method, url, data=data, headers=headers)  # once more
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {self.base_url} timed out") from exc
+            raise UpstreamTimeout(f"upstream {self.name} timed out") from exc
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: the server is not there
             if self.alive:
-                log.error("upstream %s is down (%s): out of rotation until it answers", self.base_url, exc)
+                log.error("upstream %s is down (%s): out of rotation until it answers", self.name, exc)
             self.alive = False
-            raise UpstreamDown(f"upstream {self.base_url} unreachable: {exc!r}") from exc
+            raise UpstreamDown(f"upstream {self.name} unreachable: {exc!r}") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream {self.base_url} unreachable: {exc!r}") from exc
+            raise UpstreamUnreachable(f"upstream {self.name} unreachable: {exc!r}") from exc
 
     async def read(self, resp: aiohttp.ClientResponse) -> bytes:
         """A whole response body; a read that stalls or breaks becomes a named proxy error."""
         try:
             return await resp.read()
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {self.base_url} timed out while answering") from exc
+            raise UpstreamTimeout(f"upstream {self.name} timed out while answering") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream {self.base_url} broke off its answer: {exc!r}") from exc
+            raise UpstreamUnreachable(f"upstream {self.name} broke off its answer: {exc!r}") from exc
         finally:
             resp.release()
 
@@ -200,7 +214,7 @@ class Upstreams:
                     continue
                 if resp.ok:
                     member.alive = True
-                    log.warning("upstream %s answers again: back in rotation", member.base_url)
+                    log.warning("upstream %s answers again: back in rotation", member.name)
 
     async def refresh_versions(self) -> None:
         await asyncio.gather(*(u.refresh_version() for u in self.members))

@@ -60,6 +60,9 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+LOG_EVERY = 10.0  # seconds between progress lines when the output is not a terminal
+
+
 class VllmServer:
     """One vLLM OpenAI-compatible server on 127.0.0.1. Use as a context manager."""
 
@@ -121,13 +124,18 @@ class VllmServer:
         self.wait_ready(timeout, progress)
 
     def wait_ready(self, timeout: float, progress: bool = False) -> None:
+        """Wait for /health. `progress`: the seconds waited, rewritten in place on a terminal, and
+        a line every LOG_EVERY seconds elsewhere (a log file)."""
         start = time.monotonic()
+        tty = sys.stdout.isatty()
+        shown = -LOG_EVERY
         while True:
             self.check_alive()
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).is_success:
                     if progress:
-                        print(f"\rvLLM ready after {time.monotonic() - start:.0f} s".ljust(60))
+                        ready = f"vLLM ready after {time.monotonic() - start:.0f} s"
+                        print("\r" + ready.ljust(60) if tty else ready)
                     return
             except httpx.HTTPError:
                 pass
@@ -137,8 +145,11 @@ class VllmServer:
                 raise BackendError(
                     f"vLLM did not start within {timeout:.0f} s (log: {self.log_file}):\n{_tail(self.log_file)}"
                 )
-            if progress:
+            if progress and tty:
                 print(f"\rstarting vLLM ({self.served_name}): {waited:.0f} s", end="", flush=True)
+            elif progress and waited - shown >= LOG_EVERY:
+                print(f"starting vLLM ({self.served_name}): {waited:.0f} s", flush=True)
+                shown = waited
             time.sleep(1.0)
 
     def check_alive(self) -> None:

@@ -142,10 +142,10 @@ def export(
     min_reward: Annotated[float | None, typer.Option(help="only sessions with at least this reward")] = None,
     api: Annotated[str | None, typer.Option(help="only calls of this API (chat.completions, completions)")] = None,
     merge: Annotated[bool, typer.Option(help="rl/sft: merge turns on token prefixes (else one per call)")] = True,
-    force: Annotated[bool, typer.Option(help="overwrite an existing file")] = False,
+    force: Annotated[bool, typer.Option(help="replace an existing export")] = False,
 ) -> None:
     """Export recorded data: raw calls, RL training sequences or SFT conversations."""
-    from recorder.export import FORMATS, KINDS, Filter
+    from recorder.export import FORMATS, KINDS, Filter, is_dataset_dir
     from recorder.export import export as run_export
 
     if kind not in KINDS:
@@ -154,6 +154,8 @@ def export(
         raise typer.BadParameter(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if out.exists() and not force:
         raise typer.BadParameter(f"{out} exists; add --force to overwrite")
+    if out.is_dir() and not is_dataset_dir(out):
+        raise typer.BadParameter(f"{out} is a directory that no export wrote; --force replaces only exports")
     where = Filter(run=run, task_id=task, since=since, until=until, min_reward=min_reward, api=api)
 
     async def work(store: Store) -> int:

@@ -190,9 +190,12 @@ async def export(
     merge: bool = True,
     on_session: Callable[[int], None] | None = None,
 ) -> int:
-    """Write an export to `out` (a file, or a directory for `hf`); return the row count."""
+    """Write an export to `out` (a file, or a directory for `hf`); return the row count. An
+    existing `out` is replaced only if it is a file or a dataset directory an export wrote."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if out.is_dir() and not is_dataset_dir(out):
+        raise ValueError(f"{out} is a directory that no export wrote: it is not replaced")
     where = where or Filter()
     tmp = out.with_name(out.name + ".partial")
     parquet = tmp if fmt == "parquet" else out.with_name(out.name + ".partial.parquet")
@@ -242,3 +245,11 @@ async def export(
         shutil.rmtree(out)
     tmp.replace(out)
     return count
+
+
+def is_dataset_dir(path: Path) -> bool:
+    """A directory as `datasets.save_to_disk` writes it, and nothing else in it."""
+    names = {p.name for p in path.iterdir()}
+    return {"dataset_info.json", "state.json"} <= names and all(
+        n in ("dataset_info.json", "state.json") or n.endswith(".arrow") for n in names
+    )

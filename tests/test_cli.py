@@ -74,6 +74,22 @@ def test_export_jsonl_and_refuses_to_overwrite(db: str, tmp_path: Path) -> None:
     assert runner.invoke(app, ["export", "--db", db, "--out", str(out), "--format", "xml", "--force"]).exit_code != 0
 
 
+def test_export_force_replaces_only_an_export(db: str, tmp_path: Path) -> None:
+    """--force replaces an export it wrote (a file, a saved dataset), never another directory."""
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("mine")
+    for fmt in ("jsonl", "hf"):
+        refused = runner.invoke(app, ["export", "--db", db, "--out", str(precious), "--format", fmt, "--force"])
+        assert refused.exit_code != 0 and "no export wrote" in refused.output
+    assert (precious / "notes.txt").read_text() == "mine"
+    dataset = tmp_path / "ds"
+    for _ in range(2):
+        done = runner.invoke(app, ["export", "--db", db, "--out", str(dataset), "--format", "hf", "--force"])
+        assert done.exit_code == 0, done.output
+    assert (dataset / "state.json").exists()
+
+
 def test_serve_refuses_open_admin_off_loopback() -> None:
     result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:1/v1", "--host", "0.0.0.0"])
     assert result.exit_code != 0 and "admin-token" in result.output

@@ -3,6 +3,7 @@ since none of this depends on the model; the vLLM path of a created key is in te
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 import httpx
@@ -60,3 +61,50 @@ def test_healthz_and_metrics(make_proxy: Any, stub: str) -> None:
     assert 'rlp_calls_total{api="chat.completions",status="ok"} 2.0' in text
     assert 'rlp_tokens_total{kind="completion"} 16.0' in text
     assert "rlp_call_latency_seconds_bucket" in text
+
+
+def test_open_admin_still_needs_the_token_for_forwarded_requests(make_proxy: Any, stub: str) -> None:
+    """A reverse proxy on this machine makes every request a loopback one: a request it forwarded
+    (or any request carrying forwarding headers) needs the token like one from outside."""
+    proxy = make_proxy(stub)
+    assert httpx.get(f"{proxy.url}/admin/sessions").status_code == 200
+    for header in ({"X-Forwarded-For": "203.0.113.7"}, {"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"}):
+        refused = httpx.get(f"{proxy.url}/admin/sessions", headers=header)
+        assert refused.status_code == 401 and "admin-token" in refused.json()["error"]["message"]
+    guarded = make_proxy(stub, admin_token="s3cret")
+    forwarded = {"X-Forwarded-For": "203.0.113.7", "Authorization": "Bearer s3cret"}
+    assert httpx.get(f"{guarded.url}/admin/sessions", headers=forwarded).status_code == 200
+
+
+def test_a_non_ascii_admin_token_is_refused_not_a_crash(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub, admin_token="s3cret")
+    r = httpx.get(f"{proxy.url}/admin/sessions", headers={"Authorization": "Bearer s\xe9cret".encode("latin-1")})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_an_ended_session_takes_no_more_calls(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": "Bearer ep-9"}
+    assert httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers=headers).status_code == 200
+    httpx.post(f"{proxy.url}/admin/sessions/ep-9/end", json={"status": "ok"}).raise_for_status()
+    refused = httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers=headers)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_ended"
+    messages = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    anthropic_shape = httpx.post(f"{proxy.v1}/messages", json=messages, headers=headers)
+    assert anthropic_shape.status_code == 409 and anthropic_shape.json()["type"] == "error"
+    assert httpx.get(f"{proxy.url}/admin/sessions/ep-9").json()["calls"] == 1  # what was recorded stays
+
+
+def test_upstream_credentials_are_never_shown(make_proxy: Any, stub: str) -> None:
+    with_credentials = stub.replace("http://", "http://user:pa55@")
+    proxy = make_proxy(with_credentials)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{proxy.v1}/chat/completions", json=chat).status_code == 200
+    health = httpx.get(f"{proxy.url}/healthz").text
+    assert "pa55" not in health and stub in health
+    down = make_proxy("http://user:pa55@127.0.0.1:9/v1")
+    failed = httpx.post(f"{down.v1}/chat/completions", json=chat)
+    assert failed.status_code >= 500 and "pa55" not in failed.text and "127.0.0.1:9" in failed.text
+    with sqlite3.connect(proxy.db) as conn:
+        assert conn.execute("select upstream from calls").fetchall() == [(stub,)]

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 from proxy.capture import Capture, client_view
 from proxy.responses import RecentResponses
 from proxy.sessions import parse_key
+from proxy.upstream import VERSION_PATIENCE, Upstream
+from proxy.vllm import VllmServer
 from tests.support.samples import call
 
 
@@ -86,3 +94,40 @@ def test_recent_responses_drop_the_least_recently_used() -> None:
     assert recent.get("other-session", "resp_1") is None
     recent.remember(replace(call("s", 4, [4], ok=False), response_id="resp_4"))  # a failed call is not kept
     assert recent.get("s", "resp_4") is None
+
+
+def test_vllm_start_progress_in_a_log_is_a_line_every_few_seconds(tmp_path: Path, capsys: Any) -> None:
+    """Output that is not a terminal (make train > log) gets whole lines, not `\\r` updates."""
+    ready_at = time.monotonic() + 3
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if time.monotonic() > ready_at else 503)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        VllmServer("m", "m", log_file=tmp_path / "log", port=server.server_address[1]).wait_ready(60, progress=True)
+    finally:
+        server.shutdown()
+    lines = capsys.readouterr().out.splitlines(keepends=True)
+    assert lines[0] == "starting vLLM (m): 0 s\n" and len(lines) == 2 and lines[1].startswith("vLLM ready after")
+
+
+async def test_slow_version_reads_are_not_warnings_until_they_last(caplog: Any) -> None:
+    """A busy vLLM answers /weight_info late at start: quiet, unless it goes on for a while."""
+    upstream = Upstream("http://127.0.0.1:9/v1", timeout=5, connect_timeout=1)  # nothing listens there
+    try:
+        with caplog.at_level(logging.DEBUG, logger="rl_proxy.upstream"):
+            for _ in range(3):
+                await upstream.refresh_version()
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            for _ in range(VERSION_PATIENCE):
+                await upstream.refresh_version()
+        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    finally:
+        await upstream.close()
