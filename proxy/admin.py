@@ -97,9 +97,8 @@ def _loopback(host: str) -> bool:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return False
-    return ip.is_loopback or (
-        isinstance(ip, ipaddress.IPv6Address) and bool(ip.ipv4_mapped) and ip.ipv4_mapped.is_loopback
-    )
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None  # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def session_json(info: SessionInfo, request: Request | None = None) -> dict[str, Any]:
