@@ -126,11 +126,7 @@ async def messages(request: Request) -> Response:
         return json_response(anthropic_error_body(exc.status, exc.message), exc.status)
     if stream:
         return StreamingResponse(_relay(call, resp, data, tool_map, body["model"]), media_type="text/event-stream")
-    capture = Capture()
-    capture.add_response(data)
-    message = to_message(data, tool_map)
-    await call.commit(call.record(capture, message, resp.status))
-    return json_response(message)
+    return json_response(await call.finish(data, resp.status, lambda d: to_message(d, tool_map)))
 
 
 def _hold_arguments(

@@ -41,6 +41,13 @@ from recorder.store import SessionConflict, utcnow
 log = logging.getLogger("rl_proxy.proxy")
 
 
+class Untranslatable(ProxyError):
+    """The upstream's answer could not be put in the client's API shape (it was recorded)."""
+
+    status = 502
+    type = "upstream_error"
+
+
 class UpstreamError(ProxyError):
     """The upstream answered with an error of its own; `body` is its (OpenAI-shaped) answer."""
 
@@ -196,6 +203,21 @@ class Call:
             except ProxyError as exc:
                 return body, error, exc
         return body, error, None
+
+    async def finish(self, data: dict[str, Any], status: int, translate: Callable[[dict[str, Any]], Any]) -> Any:
+        """Record a whole (not streamed) answer and return it as the client gets it. One that
+        cannot be translated is recorded with its tokens and the error, and answered 502."""
+        capture = Capture()
+        capture.add_response(data)
+        try:
+            answer = translate(data)
+        except Exception as exc:
+            log.exception("answer of call %s/%d could not be translated", self.session.id, self.seq)
+            error = f"the answer could not be translated: {exc!r}"
+            await self.commit(self.record(capture, None, 502, error))
+            raise Untranslatable(error) from exc
+        await self.commit(self.record(capture, answer, status))
+        return answer
 
     async def commit(self, call: CallRecord) -> None:
         try:

@@ -104,11 +104,8 @@ async def forward(request: Request, api: Api) -> Response:
     if stream:
         relay = _relay(call, api, resp, data, keep_tokens, keep_logprobs, keep_usage)
         return StreamingResponse(relay, media_type="text/event-stream")
-    capture = Capture()
-    capture.add_response(data)
-    client_view(data, keep_tokens, keep_logprobs)
-    await call.commit(call.record(capture, data, resp.status))
-    return json_response(data, resp.status)
+    answer = await call.finish(data, resp.status, lambda d: client_view(d, keep_tokens, keep_logprobs))
+    return json_response(answer, resp.status)
 
 
 def _relay(

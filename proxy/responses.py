@@ -237,11 +237,7 @@ async def responses(request: Request) -> Response:
         return json_response(exc.body, exc.status)
     if stream:
         return StreamingResponse(_relay(call, resp, data), media_type="text/event-stream")
-    capture = Capture()
-    capture.add_response(data)
-    answer = to_response(data, body, call.response_id)
-    await call.commit(call.record(capture, answer, resp.status))
-    return json_response(answer)
+    return json_response(await call.finish(data, resp.status, lambda d: to_response(d, body, str(call.response_id))))
 
 
 def _event(data: dict[str, Any]) -> bytes:

@@ -241,3 +241,18 @@ def test_a_stream_the_translation_cannot_follow_ends_with_an_error_event(
     last = broken.strip().split("\n\n")[-1]
     assert last.startswith(last_event) and "could not be relayed" in last and "Traceback" not in broken, broken[-600:]
     assert not broken_call.ok and broken_call.http_status == 502 and broken_call.completions[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/messages", {"messages": CHAT, "max_tokens": 8}), ("/responses", {"input": "Hi"})]
+)
+def test_a_whole_answer_that_cannot_be_translated_is_recorded(make_proxy: Any, path: str, body: dict[str, Any]) -> None:
+    """Stub upstream whose answer has a `tool_calls` no translator can follow: the client gets a
+    502 in its API's shape, and the call is recorded as failed with its tokens."""
+    with AppThread(stub_app(garbled_at=0)) as garbled:
+        proxy = make_proxy(f"{garbled.url}/v1")
+        answer = httpx.post(f"{proxy.v1}{path}", json={"model": MODEL, **body}, headers={"x-api-key": "s-whole"})
+        [call] = proxy.calls("s-whole")
+    assert answer.status_code == 502 and "could not be translated" in answer.text and "Traceback" not in answer.text
+    assert (answer.json().get("type") == "error") == (path == "/messages")  # Anthropic shape, else OpenAI's
+    assert not call.ok and call.http_status == 502 and call.completions[0].token_ids == COMPLETION

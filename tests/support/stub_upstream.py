@@ -50,7 +50,8 @@ def stub_app(
     the stream sends a malformed event and ends, without `[DONE]`; at `die_at` the server fails
     mid-stream and the connection is cut, as when the upstream dies; with `choiceless_first` the
     stream opens with a chunk that has no choices and no usage; at `garbled_at` a chunk's
-    `tool_calls` is a string, valid JSON that no translator can follow. With `provider_key` it acts as
+    `tool_calls` is a string, valid JSON that no translator can follow (and so is a whole
+    answer's). With `provider_key` it acts as
     a provider other than vLLM: it wants that key, refuses vLLM's `return_token_ids` (400, as
     OpenAI does) and answers without token ids or logprobs. A stream's text is `t<id> ` per
     token, or the given `stream_words`, one per token."""
@@ -78,6 +79,8 @@ def stub_app(
                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)}}  # fmt: skip
             if provider_key is not None:
                 del out["prompt_token_ids"], out["choices"][0]["token_ids"], out["choices"][0]["logprobs"]
+            if garbled_at is not None:
+                out["choices"][0]["message"]["tool_calls"] = "garbled"
             return Response(orjson.dumps(out), media_type="application/json")
 
         async def events():  # type: ignore[no-untyped-def]
