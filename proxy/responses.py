@@ -66,7 +66,7 @@ class RecentResponses:
         self._items: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
 
     def remember(self, call: CallRecord) -> None:
-        if call.ok and call.response_id and call.response:
+        if call.answered and call.response_id and call.response:
             key = (call.session_id, call.response_id)
             self._items[key] = (call.request, call.response)
             self._items.move_to_end(key)

@@ -56,6 +56,11 @@ class CallRecord:
     call_id: str = field(default_factory=lambda: uuid4().hex)
 
     @property
+    def answered(self) -> bool:
+        """The client got this answer whole (whether or not it can be trained on: `ok`)."""
+        return self.http_status == 200 and self.response is not None
+
+    @property
     def latency_ms(self) -> float:
         return (self.finished_at - self.started_at).total_seconds() * 1000.0
 

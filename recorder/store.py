@@ -465,9 +465,10 @@ class Store:
 
     @translated
     async def stored_response(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """The request and answer of a session's answered Responses call with this id."""
+        """The request and answer of a session's Responses call with this id, if the client got
+        it (CallRecord.answered: a call that cannot be trained on may still be continued)."""
         query = select(CallRow.request, CallRow.response).where(
-            CallRow.response_id == response_id, CallRow.session_id == session_id, CallRow.ok.is_(True)
+            CallRow.response_id == response_id, CallRow.session_id == session_id, CallRow.http_status == 200
         )
         async with self.engine.connect() as conn:
             row = (await conn.execute(query)).first()

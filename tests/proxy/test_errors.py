@@ -256,3 +256,20 @@ def test_a_whole_answer_that_cannot_be_translated_is_recorded(make_proxy: Any, p
     assert answer.status_code == 502 and "could not be translated" in answer.text and "Traceback" not in answer.text
     assert (answer.json().get("type") == "error") == (path == "/messages")  # Anthropic shape, else OpenAI's
     assert not call.ok and call.http_status == 502 and call.completions[0].token_ids == COMPLETION
+
+
+def test_a_responses_answer_that_cannot_be_trained_on_can_still_be_continued(make_proxy: Any) -> None:
+    """Stub upstream whose stream loses a token id: the client got response.completed, so the
+    answer is continued by previous_response_id (from memory, and from the store after a
+    restart) though the call is recorded as not trainable."""
+    with AppThread(stub_app(drop_token_ids_at=3)) as faulty:
+        proxy = make_proxy(f"{faulty.url}/v1")
+        headers = {"x-api-key": "s-chain"}
+        first = httpx.post(f"{proxy.v1}/responses", json={"model": MODEL, "input": "Hi", "stream": True}, headers=headers)
+        assert "response.completed" in first.text
+        [call] = proxy.calls("s-chain")
+        assert not call.ok and call.response_id
+        follow = {"model": MODEL, "input": "and then?", "previous_response_id": call.response_id}
+        assert httpx.post(f"{proxy.v1}/responses", json=follow, headers=headers).status_code == 200
+        restarted = make_proxy(f"{faulty.url}/v1", db=proxy.db)  # nothing in its memory
+        assert httpx.post(f"{restarted.v1}/responses", json=follow, headers=headers).status_code == 200
