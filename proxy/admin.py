@@ -201,7 +201,8 @@ async def healthz(request: Request) -> dict[str, Any]:
         "status": "ok",
         "upstream": state.upstreams.first.name,
         "policy_version": state.upstreams.first.version,
-        "stream_gap": state.upstreams.first.stream_gap,  # why streams are asked for whole, if they are
+        # why streams are asked for whole, if they are
+        "stream_gap": state.upstreams.first.stream_gap if state.upstreams.first.streams_whole() else None,
         "upstreams": [{"url": u.name, "alive": u.alive, "policy_version": u.version} for u in state.upstreams.members],
         "recorder_queue": state.store.queue_depth,
         "record_failures": state.store.write_failures,

@@ -55,6 +55,7 @@ class Capture:
     choices: dict[int, _Choice] = field(default_factory=dict)
     head: dict[str, Any] = field(default_factory=dict)
     usage: dict[str, Any] | None = None
+    text_without_ids: bool = False  # a stream chunk sampled text but carried no token ids
 
     def _prompt(self, obj: dict[str, Any]) -> None:
         if not self.prompt_token_ids and obj.get("prompt_token_ids"):
@@ -79,13 +80,15 @@ class Capture:
         for raw in chunk.get("choices") or []:
             self._prompt(raw)
             choice = self.choices.setdefault(int(raw.get("index", 0)), _Choice())
+            delta = raw.get("delta") or {}
+            if not raw.get("token_ids") and (raw.get("text") or delta.get("content") or delta.get("tool_calls")):
+                self.text_without_ids = True
             choice.token_ids.extend(raw.get("token_ids") or [])
             choice.logprobs.extend(_logprobs(raw))
             if raw.get("finish_reason"):
                 choice.finish_reason = raw["finish_reason"]
             if "text" in raw:  # text completions
                 choice.text.append(raw["text"] or "")
-            delta = raw.get("delta") or {}
             choice.role = delta.get("role") or choice.role
             choice.text.append(delta.get("content") or "")
             choice.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")

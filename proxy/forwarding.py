@@ -145,7 +145,7 @@ class Call:
         """Send the call to `upstream` (the session's; another if that one is down)."""
         self.upstream = upstream
         self.version = upstream.version
-        self.upstream_stream = self.stream and upstream.stream_gap is None
+        self.upstream_stream = self.stream and not upstream.streams_whole()
 
     def record(
         self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
@@ -153,9 +153,8 @@ class Call:
         state = self.state
         if error is None and capture.choices:
             error = capture.incomplete()  # answered, but never trained on as if complete
-            if error and self.upstream_stream and self.upstream.stream_gap is None:
-                log.warning("upstream stream lost token ids (%s): streams are asked for whole from now on", error)
-                self.upstream.stream_gap = error
+            if error and capture.text_without_ids:
+                self.upstream.note_stream_gap(error)
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,

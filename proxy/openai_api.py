@@ -72,6 +72,14 @@ def validate(body: dict[str, Any], api: Api, max_choices: int) -> None:
     if not valid:
         kind = "a non-empty list" if api.chat else "a non-empty string or list"
         raise BadRequest(f"'{api.input_field}' is required and must be {kind}", param=api.input_field)
+    if not api.chat and isinstance(value, list) and len(value) > 1 and not all(isinstance(t, int) for t in value):
+        raise BadRequest(  # a list of ints is one prompt as token ids; a list of prompts is a batch
+            "'prompt' must be one prompt (a string, or a list of token ids): send one request per prompt, so that "
+            "each is recorded with its own prompt token ids",
+            param="prompt",
+        )
+    if not api.chat and body.get("echo"):
+        raise BadRequest("'echo' is not supported: the prompt's own tokens are in the request", param="echo")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     # A call's recorded size is bounded by n x the completion cap, so n has a limit too.

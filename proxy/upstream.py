@@ -32,6 +32,7 @@ log = logging.getLogger("rl_proxy.upstream")
 # Stream chunks carry token ids (a first chunk holds the whole prompt's), so lines can be long.
 MAX_LINE = 64 * 1024 * 1024
 MODELS_RETRY = 10.0
+STREAM_GAP_SECONDS = 600.0  # how long a stream that lost token ids makes streams be asked for whole
 VERSION_PATIENCE = 30  # version reads in a row that fail before it is worth a warning
 
 
@@ -50,9 +51,11 @@ class Upstream:
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.version: str | None = None
         self.models: dict[str, int | None] = {}  # served model -> its context length, if known
-        # Set once one of its streams lost token ids: streamed calls are then asked for whole
-        # and replayed to the client as a stream (forwarding.open_upstream).
+        # Why streamed calls are asked for whole and replayed to the client as a stream
+        # (forwarding.open_upstream), if they are: one of its streams sent text without token ids.
         self.stream_gap: str | None = None
+        self._gap_until = 0.0
+        self._gap_version: str | None = None
         self._models_read_at = -MODELS_RETRY
         self._session: aiohttp.ClientSession | None = None
         # The upstream's own key, if it needs one; a client's key names its session and stays here.
@@ -60,6 +63,22 @@ class Upstream:
         self._poller: asyncio.Task[None] | None = None
         self._version_misses = 0
         self.alive = True
+
+    def note_stream_gap(self, why: str) -> None:
+        """One of its streams sent text without token ids: streams are asked for whole until
+        the policy version changes or STREAM_GAP_SECONDS pass, whichever comes first."""
+        if self.stream_gap is None:
+            log.warning(
+                "upstream %s: a stream lost token ids (%s); streams are asked for whole for now", self.name, why
+            )
+        self.stream_gap, self._gap_version = why, self.version
+        self._gap_until = time.monotonic() + STREAM_GAP_SECONDS
+
+    def streams_whole(self) -> bool:
+        if self.stream_gap is not None and (time.monotonic() > self._gap_until or self.version != self._gap_version):
+            log.warning("upstream %s: streams are streamed again", self.name)
+            self.stream_gap = None
+        return self.stream_gap is not None
 
     @property
     def session(self) -> aiohttp.ClientSession:

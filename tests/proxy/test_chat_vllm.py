@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from tests.support.samples import ADD_TOOL, FORCE_ADD
 from tests.support.stack import RunningProxy, Upstream, direct_chat
@@ -139,6 +139,26 @@ def test_text_completions_recorded(proxy: RunningProxy, vllm: Upstream) -> None:
     assert first.completions[0].token_ids == second.completions[0].token_ids
     assert len(first.completions[0].logprobs) == len(first.completions[0].token_ids) == 6
     assert second.response is not None and second.response["choices"][0]["text"] == streamed
+
+
+def test_text_completions_of_a_batch_or_with_echo_are_refused_and_streams_stay_streams(
+    proxy: RunningProxy, vllm: Upstream
+) -> None:
+    """A list of prompts and `echo` are refused with 400 before anything goes upstream (one
+    record holds one prompt's ids; echo put null prompt logprobs first). A prompt given as token
+    ids is one prompt. None of this switches streaming off for anyone."""
+    client = OpenAI(base_url=proxy.v1, api_key="s-batch", max_retries=0)
+    for refused, param in (({"prompt": ["1, 2,", "a, b,"]}, "prompt"), ({"prompt": "1, 2,", "echo": True}, "echo")):
+        for stream in (False, True):
+            with pytest.raises(BadRequestError) as caught:
+                client.completions.create(model=vllm.model, max_tokens=4, stream=stream, **refused)  # type: ignore[call-overload]
+            assert caught.value.status_code == 400 and caught.value.body["param"] == param  # type: ignore[index]
+    ids = client.completions.create(model=vllm.model, prompt=[16, 28, 216], max_tokens=4, temperature=0)
+    assert ids.choices[0].text
+    chunks = list(client.completions.create(model=vllm.model, prompt="1, 2, 3,", max_tokens=6, stream=True))
+    assert len(chunks) > 2 and httpx.get(f"{proxy.url}/healthz").json()["stream_gap"] is None
+    [by_ids, streamed] = proxy.calls("s-batch")
+    assert by_ids.prompt_token_ids == [16, 28, 216] and by_ids.ok and streamed.ok
 
 
 def test_models_lists_the_served_model(proxy: RunningProxy, vllm: Upstream) -> None:

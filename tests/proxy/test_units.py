@@ -131,3 +131,26 @@ async def test_slow_version_reads_are_not_warnings_until_they_last(caplog: Any) 
         assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     finally:
         await upstream.close()
+
+
+async def test_streams_are_asked_for_whole_only_after_a_real_gap_and_not_for_good(caplog: Any) -> None:
+    whole = Capture()
+    whole.add_chunk({"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [5]}], "prompt_token_ids": [1]})
+    whole.add_chunk({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+    assert whole.incomplete() and not whole.text_without_ids  # a count off (a batch): no gap in the stream
+    gap = Capture()
+    gap.add_chunk({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+    assert gap.text_without_ids
+    upstream = Upstream("http://127.0.0.1:9/v1", timeout=5, connect_timeout=1)
+    with caplog.at_level(logging.WARNING, logger="rl_proxy.upstream"):
+        upstream.note_stream_gap("lost ids")
+        assert upstream.streams_whole()
+        upstream.version = "1"  # new weights: streams are tried again
+        assert not upstream.streams_whole()
+        upstream.note_stream_gap("lost ids")
+        upstream._gap_until = time.monotonic() - 1  # a while later
+        assert not upstream.streams_whole()
+    assert [r.getMessage().split(": ", 1)[1][:21] for r in caplog.records] == [
+        "a stream lost token i", "streams are streamed ", "a stream lost token i", "streams are streamed "
+    ]  # fmt: skip
+    await upstream.close()
