@@ -265,7 +265,8 @@ def test_a_responses_answer_that_cannot_be_trained_on_can_still_be_continued(mak
     with AppThread(stub_app(drop_token_ids_at=3)) as faulty:
         proxy = make_proxy(f"{faulty.url}/v1")
         headers = {"x-api-key": "s-chain"}
-        first = httpx.post(f"{proxy.v1}/responses", json={"model": MODEL, "input": "Hi", "stream": True}, headers=headers)
+        opening = {"model": MODEL, "input": "Hi", "stream": True}
+        first = httpx.post(f"{proxy.v1}/responses", json=opening, headers=headers)
         assert "response.completed" in first.text
         [call] = proxy.calls("s-chain")
         assert not call.ok and call.response_id
