@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import Capture, nothing_to_translate
+from proxy.capture import Capture, nothing_to_translate, reasoning_for_litellm
 from proxy.errors import BadRequest, anthropic_error_body, json_response
 from proxy.forwarding import (
     Call,
@@ -98,7 +98,7 @@ def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[
     """The Anthropic message for a chat answer (which it fixes up in place)."""
     from litellm.types.utils import ModelResponse
 
-    fields = {k: v for k, v in chat_response.items() if k != "assembled_from_stream"}
+    fields = {k: v for k, v in reasoning_for_litellm(chat_response).items() if k != "assembled_from_stream"}
     _object_arguments(fields)
     for choice in fields.get("choices") or []:  # vLLM says "stop" after a forced tool call
         if (choice.get("message") or {}).get("tool_calls") and choice.get("finish_reason") == "stop":
@@ -180,7 +180,9 @@ def _relay(
                 capture.add_chunk(chunk)
                 if nothing_to_translate(capture, chunk):
                     continue  # recorded, but nothing for the client
-                emptied = [_hold_arguments(choice, tool_ids, arguments) for choice in chunk["choices"]]
+                emptied = [
+                    _hold_arguments(choice, tool_ids, arguments) for choice in reasoning_for_litellm(chunk)["choices"]
+                ]
                 if emptied and all(emptied):
                     continue  # only tool arguments, held back
                 yield ModelResponseStream(**chunk)

@@ -13,6 +13,8 @@ from typing import Any
 
 from recorder import Completion
 
+REASONING = ("reasoning_content", "reasoning")  # litellm's name and vLLM's (0.32)
+
 
 def _logprobs(choice: dict[str, Any]) -> list[float]:
     lp = choice.get("logprobs")
@@ -81,7 +83,9 @@ class Capture:
             self._prompt(raw)
             choice = self.choices.setdefault(int(raw.get("index", 0)), _Choice())
             delta = raw.get("delta") or {}
-            if not raw.get("token_ids") and (raw.get("text") or delta.get("content") or delta.get("tool_calls")):
+            if not raw.get("token_ids") and (
+                raw.get("text") or any(delta.get(k) for k in ("content", "tool_calls", *REASONING))
+            ):
                 self.text_without_ids = True
             choice.token_ids.extend(raw.get("token_ids") or [])
             choice.logprobs.extend(_logprobs(raw))
@@ -91,7 +95,7 @@ class Capture:
                 choice.text.append(raw["text"] or "")
             choice.role = delta.get("role") or choice.role
             choice.text.append(delta.get("content") or "")
-            choice.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+            choice.reasoning.append(next((delta[k] for k in REASONING if delta.get(k)), ""))
             for call in delta.get("tool_calls") or []:
                 choice.add_tool_call_delta(call)
 
@@ -164,14 +168,25 @@ def as_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def carries_output(chunk: dict[str, Any]) -> bool:
-    """Whether a stream chunk has anything for the client: text, a tool call, a finish or usage."""
+    """Whether a stream chunk has anything for the client: text, reasoning, a tool call, a
+    finish or usage."""
     if chunk.get("usage"):
         return True
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        if choice.get("finish_reason") or any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content")):
+        if choice.get("finish_reason") or any(delta.get(k) for k in ("content", "tool_calls", *REASONING)):
             return True
     return False
+
+
+def reasoning_for_litellm(body: dict[str, Any]) -> dict[str, Any]:
+    """Rename (in place) vLLM's `reasoning` to the `reasoning_content` that litellm's
+    translators read, in a chunk's deltas or an answer's messages; return the body."""
+    for choice in body.get("choices") or []:
+        for part in (choice.get("delta"), choice.get("message")):
+            if isinstance(part, dict) and part.get("reasoning") and not part.get("reasoning_content"):
+                part["reasoning_content"] = part.pop("reasoning")
+    return body
 
 
 def nothing_to_translate(capture: Capture, chunk: dict[str, Any]) -> bool:

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import Capture, nothing_to_translate
+from proxy.capture import Capture, nothing_to_translate, reasoning_for_litellm
 from proxy.errors import BadRequest, NotFound, json_response
 from proxy.forwarding import (
     Call,
@@ -202,7 +202,7 @@ def to_chat(body: dict[str, Any], items: list[Any], stream: bool) -> dict[str, A
 
 def to_response(chat_response: dict[str, Any], body: dict[str, Any], response_id: str) -> dict[str, Any]:
     params = _params(body)
-    fields = {k: v for k, v in chat_response.items() if k != "assembled_from_stream"}
+    fields = {k: v for k, v in reasoning_for_litellm(chat_response).items() if k != "assembled_from_stream"}
     response = _config().transform_chat_completion_response_to_responses_api_response(
         request_input=body.get("input"), responses_api_request=params, chat_completion_response=fields
     )
@@ -259,7 +259,7 @@ def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator
             capture.add_chunk(chunk)
             if nothing_to_translate(capture, chunk):
                 continue  # recorded, but nothing for the client
-            yield ModelResponseStream(**{**chunk, "id": response_id})
+            yield ModelResponseStream(**{**reasoning_for_litellm(chunk), "id": response_id})
 
     async def events() -> AsyncIterator[bytes]:
         nonlocal sequence
