@@ -31,6 +31,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
+from recorder.batches import insert_calls, number_calls
 from recorder.errors import SchemaMismatch, SessionConflict, store_error, translated
 from recorder.records import CallRecord, Completion, SessionInfo
 from recorder.schema import (
@@ -73,64 +74,6 @@ def _session_info(row: SessionRow, reward: float | None = None, calls: int = 0) 
         reward=reward,
         calls=calls,
     )
-
-
-def _number_calls(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecord], list[CallRecord]]:
-    """(the calls as recorded, those of them still to insert). A call whose `call_id` is already
-    stored (a write sent again after its commit's answer was lost) is returned as stored. The
-    others are numbered so that none takes a number already in the database: one proxy numbers
-    its calls itself and nothing changes (concurrent calls may commit out of order); when several
-    proxies serve one session (round robin behind a load balancer), a call whose number another
-    one took first moves to the end of the session."""
-    stored_query = select(CallRow.call_id, CallRow.seq).where(CallRow.call_id.in_([c.call_id for c in calls]))
-    stored = dict(conn.execute(stored_query).tuples().all())
-    new = [c for c in calls if c.call_id not in stored]
-    sessions, seqs = {c.session_id for c in new}, {c.seq for c in new}
-    where = CallRow.session_id.in_(sessions), CallRow.seq.in_(seqs)
-    taken = set(conn.execute(select(CallRow.session_id, CallRow.seq).where(*where)).tuples()) if new else set()
-    last: dict[str, int] = {}
-    if taken:
-        last_query = select(CallRow.session_id, func.max(CallRow.seq)).where(where[0]).group_by(CallRow.session_id)
-        last = dict(conn.execute(last_query).tuples().all())
-        for call in new:
-            last[call.session_id] = max(last.get(call.session_id, 0), call.seq)
-    recorded, to_insert = [], []
-    for call in calls:
-        if call.call_id in stored:
-            recorded.append(replace(call, seq=stored[call.call_id]))
-            continue
-        if (call.session_id, call.seq) in taken:
-            last[call.session_id] += 1
-            call = replace(call, seq=last[call.session_id])
-        taken.add((call.session_id, call.seq))
-        recorded.append(call)
-        to_insert.append(call)
-    return recorded, to_insert
-
-
-def _insert_calls(conn: Connection, calls: list[CallRecord]) -> None:
-    """Bulk-insert calls and their completions: three statements for a whole batch."""
-    ids = (
-        conn.execute(
-            insert(CallRow).returning(CallRow.id, sort_by_parameter_order=True),
-            [c.flat() for c in calls],
-        )
-        .scalars()
-        .all()
-    )
-    completions = [
-        {
-            "call_id": call_id,
-            "choice_index": c.index,
-            "token_ids": c.token_ids,
-            "logprobs": c.logprobs,
-            "finish_reason": c.finish_reason,
-        }
-        for call_id, call in zip(ids, calls, strict=True)
-        for c in call.completions
-    ]
-    if completions:
-        conn.execute(insert(CompletionRow), completions)
 
 
 _CALL_FIELDS = [f for f in CallRecord.__dataclass_fields__ if f != "completions"]
@@ -256,9 +199,9 @@ class Store:
                     results = {i: w(conn) for i, w in enumerate(writes) if not isinstance(w, CallRecord)}
                     calls = [(i, w) for i, w in enumerate(writes) if isinstance(w, CallRecord)]
                     if calls:
-                        recorded, to_insert = _number_calls(conn, [w for _, w in calls])
+                        recorded, to_insert = number_calls(conn, [w for _, w in calls])
                         if to_insert:
-                            _insert_calls(conn, to_insert)
+                            insert_calls(conn, to_insert)
                         results.update(zip([i for i, _ in calls], recorded, strict=True))
                 return [results[i] for i in range(len(writes))]
             except Exception:
@@ -291,7 +234,7 @@ class Store:
 
     @translated
     async def record(self, call: CallRecord) -> CallRecord:
-        """Persist one call; returns it as recorded (its number may have moved: `_number_calls`)
+        """Persist one call; returns it as recorded (its number may have moved: `number_calls`)
         once it is committed."""
         return await self.record_nowait(call)
 
