@@ -129,37 +129,54 @@ async def messages(request: Request) -> Response:
     return json_response(await call.finish(data, resp.status, lambda d: to_message(d, tool_map)))
 
 
-def _hold_arguments(
-    choice: dict[str, Any], tool_ids: dict[tuple[int, int], str], held: dict[tuple[int, int], str]
-) -> bool:
-    """Fix up one streamed choice's tool-call deltas in place; whether that emptied it. vLLM
-    names a tool call's id in its first delta only, and litellm gives every later delta without
-    one a fresh id (a new, nameless tool_use block): every delta gets its call's id. The
-    arguments are held back and sent whole at the choice's finish, as a JSON object
-    (`object_arguments`): a client parses the partial JSON as it comes and fails on arguments
-    that are not an object."""
-    index = choice.get("index", 0)
-    delta = choice["delta"] = choice.get("delta") or {}
-    calls = delta.get("tool_calls") or []
-    kept = []
-    for call in calls:
-        key = (index, call.get("index", 0))
-        call["id"] = tool_ids.setdefault(key, call.get("id") or f"toolu_{key[1]}")
-        function = call.get("function") or {}
-        held[key] = held.get(key, "") + (function.pop("arguments", None) or "")
-        if function.get("name"):
-            kept.append(call)
-    if choice.get("finish_reason"):
-        kept += [{"index": i, "id": tool_ids[c, i], "function": {"arguments": object_arguments(held.pop((c, i)))}}
-                 for c, i in list(held) if c == index]  # fmt: skip
-        if tool_ids and choice["finish_reason"] == "stop":  # as in to_message
-            choice["finish_reason"] = "tool_calls"
-    if kept:
-        delta["tool_calls"] = kept
-    elif calls:
-        del delta["tool_calls"]
-        return not choice.get("finish_reason") and not delta.get("content")
-    return False
+class _HeldArguments:
+    """Tool calls of a streamed Messages answer, made whole for the client. vLLM names a call's id
+    in its first delta only, and litellm gives every later delta without one a fresh id (a new,
+    nameless tool_use block): every delta gets its call's id. A call's arguments are held back and
+    sent whole, as a JSON object (`object_arguments`), before anything else follows it (the next
+    call, text, the finish): a client parses the partial JSON as it comes and fails on arguments
+    that are not an object, and litellm closes a call's block when the next one starts."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, str] = {}
+        self.held: dict[int, str] = {}  # the open call's arguments so far
+
+    def pieces(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks to translate for one upstream chunk (a Messages answer has one choice)."""
+        if not chunk.get("choices"):
+            return [chunk]  # usage
+        [choice] = chunk["choices"]
+        head = {k: v for k, v in chunk.items() if k not in ("choices", "usage")}
+        delta = dict(choice.get("delta") or {})
+        calls = delta.pop("tool_calls", None) or []
+        out: list[dict[str, Any]] = []
+
+        def piece(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**head, "choices": [{"index": choice.get("index", 0), "delta": delta, "finish_reason": finish}]}
+
+        for call in calls:
+            i, function = call.get("index", 0), call.get("function") or {}
+            if i not in self.ids:  # a new call: the one before it is complete
+                out += [piece(d) for d in self._flush()]
+                self.ids[i] = call.get("id") or f"toolu_{i}"
+                opened = {"index": i, "id": self.ids[i], "type": "function", "function": {"name": function.get("name")}}
+                out.append(piece({"tool_calls": [opened]}))
+            self.held[i] = self.held.get(i, "") + (function.get("arguments") or "")
+        finish = choice.get("finish_reason")
+        if finish and self.ids and finish == "stop":  # as in to_message: vLLM says "stop" after a forced call
+            finish = "tool_calls"
+        if finish or any(delta.get(k) for k in ("content", "reasoning_content")) or (delta and not calls):
+            out += [piece(d) for d in self._flush()]
+            out.append(piece(delta, finish))
+        if chunk.get("usage"):
+            out.append({**head, "choices": [], "usage": chunk["usage"]})
+        return out
+
+    def _flush(self) -> list[dict[str, Any]]:
+        done = [{"tool_calls": [{"index": i, "id": self.ids[i], "function": {"arguments": object_arguments(args)}}]}
+                for i, args in self.held.items()]  # fmt: skip
+        self.held.clear()
+        return done
 
 
 def _relay(
@@ -171,8 +188,7 @@ def _relay(
 
     capture = Capture()
     broken: list[str] = []  # litellm's translator ends the stream on an error instead of raising it
-    tool_ids: dict[tuple[int, int], str] = {}
-    arguments: dict[tuple[int, int], str] = {}  # held back: sent whole, as an object, at the finish
+    calls = _HeldArguments()
 
     async def chunks() -> AsyncIterator[Any]:
         try:
@@ -180,12 +196,8 @@ def _relay(
                 capture.add_chunk(chunk)
                 if nothing_to_translate(capture, chunk):
                     continue  # recorded, but nothing for the client
-                emptied = [
-                    _hold_arguments(choice, tool_ids, arguments) for choice in reasoning_for_litellm(chunk)["choices"]
-                ]
-                if emptied and all(emptied):
-                    continue  # only tool arguments, held back
-                yield ModelResponseStream(**chunk)
+                for piece in calls.pieces(reasoning_for_litellm(chunk)):
+                    yield ModelResponseStream(**piece)
         except StreamBroken as exc:
             broken.append(str(exc))
             raise

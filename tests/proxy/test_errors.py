@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 from openai import OpenAI
@@ -274,3 +275,22 @@ def test_a_responses_answer_that_cannot_be_trained_on_can_still_be_continued(mak
         assert httpx.post(f"{proxy.v1}/responses", json=follow, headers=headers).status_code == 200
         restarted = make_proxy(f"{faulty.url}/v1", db=proxy.db)  # nothing in its memory
         assert httpx.post(f"{restarted.v1}/responses", json=follow, headers=headers).status_code == 200
+
+
+def test_a_messages_stream_with_two_tool_calls_gives_each_its_own_whole_input(make_proxy: Any) -> None:
+    """Stub upstream streaming two tool calls as vLLM's parser does (arguments in pieces): the
+    anthropic SDK gets two tool_use blocks, each with its own input (one that is not an object wrapped whole)."""
+    calls = [("add", '{"a": 2, "b": 3}'), ("mul", '"2,3"')]
+    with AppThread(stub_app(tool_calls=calls)) as tools:
+        proxy = make_proxy(f"{tools.url}/v1")
+        claude = anthropic.Anthropic(base_url=proxy.url, api_key="s-two-tools", max_retries=0)
+        with claude.messages.stream(model=MODEL, max_tokens=32, messages=CHAT) as stream:
+            message = stream.get_final_message()
+        [call] = proxy.calls("s-two-tools")
+    blocks = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    assert blocks == [("add", {"a": 2, "b": 3}), ("mul", {"_raw_arguments": '"2,3"'})]
+    assert (
+        message.stop_reason == "tool_use"
+        and call.ok
+        and call.completions[0].token_ids == [200, 201, 202, 203, 204, 205, 206]
+    )

@@ -45,6 +45,7 @@ def stub_app(
     stream_words: list[str] | None = None,
     choiceless_first: bool = False,
     garbled_at: int | None = None,
+    tool_calls: list[tuple[str, str]] | None = None,
 ) -> FastAPI:
     """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
     the stream sends a malformed event and ends, without `[DONE]`; at `die_at` the server fails
@@ -54,7 +55,9 @@ def stub_app(
     answer's). With `provider_key` it acts as
     a provider other than vLLM: it wants that key, refuses vLLM's `return_token_ids` (400, as
     OpenAI does) and answers without token ids or logprobs. A stream's text is `t<id> ` per
-    token, or the given `stream_words`, one per token."""
+    token, or the given `stream_words`, one per token. With `tool_calls` ((name, JSON arguments)
+    each) a stream calls those tools as vLLM's tool parser streams them: a call's id and name in
+    its first delta, its arguments in pieces after, one token a chunk."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -82,6 +85,33 @@ def stub_app(
             if garbled_at is not None:
                 out["choices"][0]["message"]["tool_calls"] = "garbled"
             return Response(orjson.dumps(out), media_type="application/json")
+
+        async def calls():  # type: ignore[no-untyped-def]
+            deltas: list[dict[str, Any]] = []
+            for i, (name, arguments) in enumerate(tool_calls or []):
+                opened = {
+                    "index": i,
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+                half = len(arguments) // 2
+                deltas += [{"tool_calls": [opened]}] + [
+                    {"tool_calls": [{"index": i, "function": {"arguments": part}}]}
+                    for part in (arguments[:half], arguments[half:])
+                ]
+            for n, delta in enumerate([*deltas, {}]):
+                finish = "tool_calls" if n == len(deltas) else None
+                choice = {**_choice(True, 0, "", [200 + n], finish), "delta": delta}
+                first = {"prompt_token_ids": prompt} if n == 0 else {}
+                yield b"data: " + orjson.dumps({**head, "object": "chat.completion.chunk", **first,
+                                                "choices": [choice]}) + b"\n\n"  # fmt: skip
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(deltas) + 1}
+            yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        if tool_calls:
+            return StreamingResponse(calls(), media_type="text/event-stream")
 
         async def events():  # type: ignore[no-untyped-def]
             chunk = {**head, "object": "chat.completion.chunk", "prompt_token_ids": prompt}
