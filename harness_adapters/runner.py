@@ -114,9 +114,9 @@ class EpisodeRunner:
     ) -> float:  # fmt: skip
         """Score with every source first (nothing is posted if one fails), then post each part."""
         parts = [(source, await weighted(source, task, outcome, endpoint, workdir, posted)) for source in self.rewards]
-        for source, value in parts:
-            if not source.stored:
-                reward = {"value": value, "source": source.type}
+        for i, (source, value) in enumerate(parts):
+            if not source.stored:  # its id: posted again (a retry), it still counts once
+                reward = {"value": value, "source": source.type, "id": f"runner-{i}"}
                 answer = await admin.post(f"/admin/sessions/{session_id}/reward", json=reward)
                 answer.raise_for_status()
         return sum(value for _, value in parts)

@@ -11,6 +11,7 @@ import math
 import secrets
 import uuid
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -73,15 +74,19 @@ def _state(request: Request) -> ProxyState:
     return state
 
 
-FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip", "via")
 
 
 async def require_admin(request: Request) -> None:
     """Without a token, only a request from this machine itself gets in: a loopback peer that no
-    reverse proxy forwarded (a proxy on this machine forwarding the world is a loopback peer)."""
+    reverse proxy forwarded (a proxy on this machine forwarding the world is a loopback peer),
+    addressed to a loopback name (a web page that rebinds its own name to 127.0.0.1 is not).
+    A best effort: a forwarder that adds none of these headers is not told apart."""
     settings = _state(request).settings
     forwarded = any(name in request.headers for name in FORWARDING_HEADERS)
-    if settings.admin_open and request.client and _loopback(request.client.host) and not forwarded:
+    host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
+    local = request.client is not None and _loopback(request.client.host) and (host == "localhost" or _loopback(host))
+    if settings.admin_open and local and not forwarded:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not settings.admin_token:
@@ -188,7 +193,7 @@ async def refresh_version(request: Request) -> dict[str, Any]:
     resuming vLLM, so that no call starting after the swap is stamped with the old version."""
     upstreams = _state(request).upstreams
     await upstreams.refresh_versions()
-    return {"policy_version": upstreams.first.version, "versions": {u.name: u.version for u in upstreams.members}}
+    return {"policy_version": upstreams.first.version, "versions": {u.base_url: u.version for u in upstreams.members}}
 
 
 ops = APIRouter()
@@ -199,11 +204,13 @@ async def healthz(request: Request) -> dict[str, Any]:
     state = _state(request)
     return {
         "status": "ok",
-        "upstream": state.upstreams.first.name,
+        "upstream": state.upstreams.first.base_url,
         "policy_version": state.upstreams.first.version,
         # why streams are asked for whole, if they are
         "stream_gap": state.upstreams.first.stream_gap if state.upstreams.first.streams_whole() else None,
-        "upstreams": [{"url": u.name, "alive": u.alive, "policy_version": u.version} for u in state.upstreams.members],
+        "upstreams": [
+            {"url": u.base_url, "alive": u.alive, "policy_version": u.version} for u in state.upstreams.members
+        ],
         "recorder_queue": state.store.queue_depth,
         "record_failures": state.store.write_failures,
     }

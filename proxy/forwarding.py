@@ -160,7 +160,7 @@ class Call:
             seq=self.seq,
             api=self.api,
             model=str(self.request.get("model")),
-            upstream=self.upstream.name,
+            upstream=self.upstream.base_url,
             stream=self.stream,
             request=self.request,
             response=response,
@@ -207,10 +207,10 @@ class Call:
         """Record a whole (not streamed) answer and return it as the client gets it. One that
         cannot be translated is recorded with its tokens and the error, and answered 502."""
         capture = Capture()
-        capture.add_response(data)
         try:
+            capture.add_response(data)
             answer = translate(data)
-        except Exception as exc:
+        except Exception as exc:  # an answer of an unexpected shape too: recorded, answered 502
             log.exception("answer of call %s/%d could not be translated", self.session.id, self.seq)
             error = f"the answer could not be translated: {exc!r}"
             await self.commit(self.record(capture, None, 502, error))

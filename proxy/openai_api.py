@@ -78,8 +78,11 @@ def validate(body: dict[str, Any], api: Api, max_choices: int) -> None:
             "each is recorded with its own prompt token ids",
             param="prompt",
         )
-    if not api.chat and body.get("echo"):
+    if body.get("echo"):  # on chat too (a vLLM extension): the echoed text comes without ids
         raise BadRequest("'echo' is not supported: the prompt's own tokens are in the request", param="echo")
+    if body.get("include_reasoning") is False:  # vLLM then leaves the token ids out of its stream
+        raise BadRequest("'include_reasoning': false is not supported: the record needs every token's id",
+                         param="include_reasoning")  # fmt: skip
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     # A call's recorded size is bounded by n x the completion cap, so n has a limit too.

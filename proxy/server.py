@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.vllm import BackendError, VllmServer, free_port, resolve_model
+from recorder.schema import shown_url
 
 log = logging.getLogger("rl_proxy.server")
 
@@ -55,10 +56,9 @@ def backend_for(settings: Settings, progress: bool = True) -> Iterator[tuple[Set
 def run(settings: Settings) -> int:
     """Serve in the foreground until Ctrl-C; exit code 1 if a launched vLLM dies."""
     with backend_for(settings) as (settings, vllm):
+        app = create_app(settings)
         server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(settings), settings.host, settings.port, access_log=False, timeout_keep_alive=KEEP_ALIVE
-            )
+            uvicorn.Config(app, settings.host, settings.port, access_log=False, timeout_keep_alive=KEEP_ALIVE)
         )
         died: list[BackendError] = []
 
@@ -77,7 +77,8 @@ def run(settings: Settings) -> int:
             await server.serve()
             watcher.cancel()
 
-        print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {settings.upstream}; db {settings.db}")
+        shown = ", ".join(u.base_url for u in app.state.rlp.upstreams.members)  # without credentials
+        print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {shown}; db {shown_url(settings.db)}")
         asyncio.run(main())
         return 1 if died else 0
 

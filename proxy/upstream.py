@@ -20,10 +20,10 @@ import hashlib
 import logging
 import time
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import aiohttp
 import orjson
-from yarl import URL
 
 from proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
 
@@ -44,10 +44,12 @@ class Upstream:
     """An OpenAI-compatible base URL (`http://host:port/v1`) and what the proxy knows of it."""
 
     def __init__(self, base_url: str, *, timeout: float, connect_timeout: float, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+        # A user:password@ in the URL is sent as Basic auth and kept out of the URL itself, so
+        # that no error, log line, /healthz or record shows it.
+        parts = urlsplit(base_url.rstrip("/"))
+        userinfo, _, host = parts.netloc.rpartition("@")
+        self.base_url = urlunsplit(parts._replace(netloc=host))
         self.root = self.base_url.removesuffix("/v1")
-        # How it is shown (errors, /healthz, logs, the record): without any user:password@.
-        self.name = str(URL(self.base_url).with_user(None))
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.version: str | None = None
         self.models: dict[str, int | None] = {}  # served model -> its context length, if known
@@ -60,6 +62,9 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
         # The upstream's own key, if it needs one; a client's key names its session and stays here.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if userinfo and not api_key:
+            user, _, password = userinfo.partition(":")
+            self._headers["Authorization"] = aiohttp.BasicAuth(unquote(user), unquote(password)).encode()
         self._poller: asyncio.Task[None] | None = None
         self._version_misses = 0
         self.alive = True
@@ -69,14 +74,14 @@ class Upstream:
         the policy version changes or STREAM_GAP_SECONDS pass, whichever comes first."""
         if self.stream_gap is None:
             log.warning(
-                "upstream %s: a stream lost token ids (%s); streams are asked for whole for now", self.name, why
+                "upstream %s: a stream lost token ids (%s); streams are asked for whole for now", self.base_url, why
             )
         self.stream_gap, self._gap_version = why, self.version
         self._gap_until = time.monotonic() + STREAM_GAP_SECONDS
 
     def streams_whole(self) -> bool:
         if self.stream_gap is not None and (time.monotonic() > self._gap_until or self.version != self._gap_version):
-            log.warning("upstream %s: streams are streamed again", self.name)
+            log.warning("upstream %s: streams are streamed again", self.base_url)
             self.stream_gap = None
         return self.stream_gap is not None
 
@@ -119,12 +124,13 @@ class Upstream:
             resp = await self.send("GET", "/models")
             data = orjson.loads(await self.read(resp)) if resp.ok else {}
         except (ProxyError, ValueError) as exc:
-            log.warning("served models not read from %s: %s", self.name, exc)
+            log.warning("served models not read from %s: %s", self.base_url, exc)
             return
         self.models = {m["id"]: m.get("max_model_len") for m in data.get("data") or [] if isinstance(m, dict)}
 
-    async def refresh_version(self) -> bool:
-        """Read the weight version once; False if the upstream has no such route."""
+    async def refresh_version(self, patient: bool = True) -> bool:
+        """Read the weight version once; False if the upstream has no such route. `patient`
+        (the poll): a failed read is a warning only once VERSION_PATIENCE failed in a row."""
         try:
             async with self.session.get(f"{self.root}/weight_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status == 404:
@@ -134,20 +140,19 @@ class Upstream:
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
             self._version_misses += 1
-            level = logging.WARNING if self._version_misses == VERSION_PATIENCE else logging.DEBUG
-            log.log(
-                level, "weight version not read from %s (%d times in a row): %r", self.name, self._version_misses, exc
-            )
+            loud = not patient or self._version_misses == VERSION_PATIENCE
+            why = "weight version not read from %s (%d times in a row): %s"
+            log.log(logging.WARNING if loud else logging.DEBUG, why, self.base_url, self._version_misses, exc)
             return True
         if self._version_misses >= VERSION_PATIENCE:
-            log.warning("weight version read from %s again", self.name)
+            log.warning("weight version read from %s again", self.base_url)
         self._version_misses = 0
         return True
 
     async def _poll_version(self, interval: float) -> None:
         while await self.refresh_version():
             await asyncio.sleep(interval)
-        log.info("upstream %s has no /weight_info: calls get no policy version", self.name)
+        log.info("upstream %s has no /weight_info: calls get no policy version", self.base_url)
 
     async def send(
         self, method: str, path: str, body: dict[str, Any] | None = None, at_root: bool = False
@@ -163,23 +168,23 @@ class Upstream:
             except aiohttp.ServerDisconnectedError:  # a pooled connection the server had closed:
                 return await self.session.request(method, url, data=data, headers=headers)  # once more
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {self.name} timed out") from exc
+            raise UpstreamTimeout(f"upstream {self.base_url} timed out") from exc
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: the server is not there
             if self.alive:
-                log.error("upstream %s is down (%s): out of rotation until it answers", self.name, exc)
+                log.error("upstream %s is down (%s): out of rotation until it answers", self.base_url, exc)
             self.alive = False
-            raise UpstreamDown(f"upstream {self.name} unreachable: {exc!r}") from exc
+            raise UpstreamDown(f"upstream {self.base_url} unreachable: {exc!r}") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream {self.name} unreachable: {exc!r}") from exc
+            raise UpstreamUnreachable(f"upstream {self.base_url} unreachable: {exc!r}") from exc
 
     async def read(self, resp: aiohttp.ClientResponse) -> bytes:
         """A whole response body; a read that stalls or breaks becomes a named proxy error."""
         try:
             return await resp.read()
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {self.name} timed out while answering") from exc
+            raise UpstreamTimeout(f"upstream {self.base_url} timed out while answering") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream {self.name} broke off its answer: {exc!r}") from exc
+            raise UpstreamUnreachable(f"upstream {self.base_url} broke off its answer: {exc!r}") from exc
         finally:
             resp.release()
 
@@ -233,10 +238,10 @@ class Upstreams:
                     continue
                 if resp.ok:
                     member.alive = True
-                    log.warning("upstream %s answers again: back in rotation", member.name)
+                    log.warning("upstream %s answers again: back in rotation", member.base_url)
 
     async def refresh_versions(self) -> None:
-        await asyncio.gather(*(u.refresh_version() for u in self.members))
+        await asyncio.gather(*(u.refresh_version(patient=False) for u in self.members))
 
     async def close(self) -> None:
         if self._prober is not None:

@@ -25,7 +25,7 @@ def number_calls(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRe
     where = CallRow.session_id.in_(sessions), CallRow.seq.in_(seqs)
     taken = set(conn.execute(select(CallRow.session_id, CallRow.seq).where(*where)).tuples()) if new else set()
     last: dict[str, int] = {}
-    if taken:
+    if taken or len({(c.session_id, c.seq) for c in new}) < len(new):  # a number taken, or given twice here
         last_query = select(CallRow.session_id, func.max(CallRow.seq)).where(where[0]).group_by(CallRow.session_id)
         last = dict(conn.execute(last_query).tuples().all())
         for call in new:

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Connection, ForeignKey, LargeBinary, String, Text, UniqueConstraint, text
+from sqlalchemy import JSON, Connection, ForeignKey, Index, LargeBinary, String, Text, UniqueConstraint, text
 from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -38,7 +38,7 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         "ALTER TABLE calls ADD COLUMN call_id VARCHAR(64)",
         "CREATE UNIQUE INDEX ix_calls_call_id ON calls (call_id)",
         "ALTER TABLE rewards ADD COLUMN reward_id VARCHAR(64)",
-        "CREATE UNIQUE INDEX ix_rewards_reward_id ON rewards (reward_id)",
+        "CREATE UNIQUE INDEX ix_rewards_reward_id ON rewards (session_id, reward_id)",
     ],
 }
 
@@ -149,13 +149,14 @@ class CompletionRow(Base):
 
 class RewardRow(Base):
     __tablename__ = "rewards"
+    __table_args__ = (Index("ix_rewards_reward_id", "session_id", "reward_id", unique=True),)
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
     value: Mapped[float]
     source: Mapped[str] = mapped_column(String(64))
     call_seq: Mapped[int | None]  # a reward for one call of the session; None: for the session
     created_at: Mapped[datetime]
-    reward_id: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)  # None: before version 6
+    reward_id: Mapped[str | None] = mapped_column(String(64))  # unique in its session; None: before version 6
 
 
 ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
@@ -178,3 +179,8 @@ def sync_url(url: str) -> str:
     return parsed.set(
         drivername=SYNC_DRIVERS.get(parsed.get_backend_name(), parsed.get_backend_name())
     ).render_as_string(hide_password=False)
+
+
+def shown_url(url: str) -> str:
+    """A database URL as it may be printed: its password masked."""
+    return make_url(url).render_as_string(hide_password=True) if "://" in url else url

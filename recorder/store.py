@@ -110,6 +110,7 @@ class Store:
         self._queue: asyncio.Queue[tuple[Write, asyncio.Future[Any]] | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._by_key: OrderedDict[str, SessionInfo] = OrderedDict()  # key digest: its session
+        self._digest_of: dict[str, str] = {}  # session id: its key digest, for what _by_key holds
         self._creating: dict[str, asyncio.Future[None]] = {}  # key digest: its session's insert
         self._new_ids: set[str] = set()  # ids of those sessions
         self.write_failures = 0
@@ -260,8 +261,10 @@ class Store:
 
     def _remember(self, digest: str, info: SessionInfo) -> None:
         self._by_key[digest] = info
+        self._digest_of[info.id] = digest
         if len(self._by_key) > KNOWN_KEYS:
-            self._by_key.popitem(last=False)
+            _, dropped = self._by_key.popitem(last=False)
+            self._digest_of.pop(dropped.id, None)
 
     @translated
     async def last_seq(self, session_id: str) -> int:
@@ -335,14 +338,15 @@ class Store:
         self, session_id: str, value: float, source: str, call_seq: int | None = None, reward_id: str | None = None
     ) -> None:
         """A reward for the session, or for its call number `call_seq`. A reward posted again with
-        the same `reward_id` (a client's retry) is kept once."""
+        the same `reward_id` for the same session (a client's retry) is kept once: the first."""
         values = {
             "session_id": session_id, "value": value, "source": source, "call_seq": call_seq, "created_at": utcnow(),
             "reward_id": reward_id or uuid4().hex,
         }  # fmt: skip
 
         def add(conn: Connection) -> None:
-            if conn.scalar(select(RewardRow.id).where(RewardRow.reward_id == values["reward_id"])) is None:
+            mine = RewardRow.session_id == session_id, RewardRow.reward_id == values["reward_id"]
+            if conn.scalar(select(RewardRow.id).where(*mine)) is None:
                 conn.execute(insert(RewardRow).values(values))
 
         await self.submit(add)
@@ -356,9 +360,9 @@ class Store:
             values["metadata"] = metadata
         ended = update(SessionRow).where(SessionRow.id == session_id).values(values)
         await self.submit(lambda conn: conn.execute(ended))
-        for key, info in list(self._by_key.items()):
-            if info.id == session_id:
-                del self._by_key[key]
+        digest = self._digest_of.pop(session_id, None)
+        if digest is not None:
+            self._by_key.pop(digest, None)
 
     # -- reading -------------------------------------------------------------------------
 

@@ -65,10 +65,13 @@ def test_healthz_and_metrics(make_proxy: Any, stub: str) -> None:
 
 def test_open_admin_still_needs_the_token_for_forwarded_requests(make_proxy: Any, stub: str) -> None:
     """A reverse proxy on this machine makes every request a loopback one: a request it forwarded
-    (or any request carrying forwarding headers) needs the token like one from outside."""
+    (or any request carrying forwarding headers, or addressed to a name that is not loopback, as
+    a page that rebinds its name to 127.0.0.1 would) needs the token like one from outside."""
     proxy = make_proxy(stub)
     assert httpx.get(f"{proxy.url}/admin/sessions").status_code == 200
-    for header in ({"X-Forwarded-For": "203.0.113.7"}, {"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"}):
+    assert httpx.get(f"{proxy.url.replace('127.0.0.1', 'localhost')}/admin/sessions").status_code == 200
+    for header in ({"X-Forwarded-For": "203.0.113.7"}, {"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"},
+                   {"Via": "1.1 nginx"}, {"Host": "rebound.example"}):  # fmt: skip
         refused = httpx.get(f"{proxy.url}/admin/sessions", headers=header)
         assert refused.status_code == 401 and "admin-token" in refused.json()["error"]["message"]
     guarded = make_proxy(stub, admin_token="s3cret")

@@ -6,6 +6,7 @@ import asyncio
 import sqlite3
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 import psycopg
@@ -116,6 +117,17 @@ async def test_call_numbers_continue_a_stored_session_and_stay_bounded(db: str) 
         assert [await numbers.next(store, "a") for _ in range(2)] == [4, 5]
         assert await numbers.next(store, "b") == 1  # "a" is forgotten: one session is kept
         assert await numbers.next(store, "a") == 4  # read again: 4 and 5 were never recorded
+
+
+async def test_one_number_given_twice_in_a_batch_and_one_reward_id_in_two_sessions(db: str, caplog: Any) -> None:
+    async with Store(db) as store:
+        for sid in ("a", "b"):
+            await store.resolve_session(SessionInfo(id=sid, key=sid))
+            await store.add_reward(sid, 1.0, "verifier", reward_id="final")  # ids are per session
+        recorded = await asyncio.gather(*(store.record_nowait(call("a", 1, [t])) for t in (7, 8)))
+        assert sorted(c.seq for c in recorded) == [1, 2] and store.write_failures == 0
+        assert not [r for r in caplog.records if "retrying one by one" in r.getMessage()]
+        assert [s.reward for s in await store.list_sessions()] == [1.0, 1.0]
 
 
 async def test_a_batch_sent_again_after_a_lost_commit_answer_is_recorded_once(db: str) -> None:
