@@ -153,6 +153,10 @@ def test_text_completions_of_a_batch_or_with_echo_are_refused_and_streams_stay_s
             with pytest.raises(BadRequestError) as caught:
                 client.completions.create(model=vllm.model, max_tokens=4, stream=stream, **refused)  # type: ignore[call-overload]
             assert caught.value.status_code == 400 and caught.value.body["param"] == param  # type: ignore[index]
+    for field, value in (("echo", True), ("include_reasoning", False)):  # vLLM streams these without ids
+        chat = {"model": vllm.model, "messages": ASK, field: value}
+        refused = httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers={"x-api-key": "s-batch"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
     ids = client.completions.create(model=vllm.model, prompt=[16, 28, 216], max_tokens=4, temperature=0)
     assert ids.choices[0].text
     chunks = list(client.completions.create(model=vllm.model, prompt="1, 2, 3,", max_tokens=6, stream=True))
