@@ -172,7 +172,20 @@ def _arrow_schema(kind: str) -> Any:
             [("messages", pa.list_(message)), ("session_id", pa.string()), ("task_id", pa.string()),
              ("reward", pa.float64())]
         )  # fmt: skip
-    return None  # calls: inferred from the first batch, bodies as JSON strings
+    # calls: every field of a CallRecord (bodies as JSON strings), the first choice's at the top
+    text, ids, floats = pa.string(), pa.list_(pa.int32()), pa.list_(pa.float32())
+    completion = pa.struct([("index", pa.int32()), ("token_ids", ids), ("logprobs", floats), ("finish_reason", text)])
+    return pa.schema(
+        [
+            ("session_id", text), ("seq", pa.int32()), ("api", text), ("model", text), ("upstream", text),
+            ("stream", pa.bool_()), ("request", text), ("response", text), ("ok", pa.bool_()),
+            ("http_status", pa.int32()), ("error", text), ("prompt_token_ids", ids), ("policy_version", text),
+            ("policy_version_end", text), ("started_at", text), ("finished_at", text), ("rewrites", text),
+            ("response_id", text), ("token_in", pa.bool_()), ("thread_start", text), ("call_id", text),
+            ("latency_ms", pa.float64()), ("completion_token_ids", ids), ("logprobs", floats),
+            ("finish_reason", text), ("completions", pa.list_(completion)),
+        ]
+    )  # fmt: skip
 
 
 def _flatten_bodies(row: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ is loaded with `datasets` and trains one step with TRL's SFTTrainer on the defau
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -59,6 +60,25 @@ async def test_rl_parquet_round_trips(db: str, tmp_path: Path) -> None:
     assert (first["reward"], first["task_id"], first["group_id"], first["calls"]) == (1.0, "t0", "g", [1, 2])
     assert first["policy_versions"] == ["v3", "v3"] and first["span_starts"] == [3, 6]
     assert first["span_rewards"] == [None, 0.5]
+
+
+async def test_calls_parquet_has_one_schema_for_every_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A column that is empty in the first batch (thread_start, error) and set in a later one:
+    the schema is declared, not inferred from the first batch (which typed it null)."""
+    monkeypatch.setattr("recorder.export.BATCH", 1)
+    db, out = str(tmp_path / "c.db"), tmp_path / "calls.parquet"
+    async with Store(db) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        first = turn("a", 1, [1, 2], [3], [{"role": "user", "content": "hi"}], "yo")
+        await store.record(first)
+        await store.record(replace(first, seq=2, call_id="c2", thread_start="edited history", error="x", token_in=True))
+        assert await export(store, out, kind="calls", fmt="parquet") == 2
+    rows = pq.read_table(out).to_pylist()
+    assert [(r["thread_start"], r["error"], r["token_in"]) for r in rows] == [
+        (None, None, False),
+        ("edited history", "x", True),
+    ]
+    assert rows[1]["completions"][0]["token_ids"] == [3] and orjson.loads(rows[0]["request"])["messages"]
 
 
 async def test_one_per_call_and_filters(db: str, tmp_path: Path) -> None:
