@@ -34,6 +34,7 @@ class _Choice:
     reasoning: list[str] = field(default_factory=list)
     role: str = "assistant"
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    message: dict[str, Any] | None = None  # a whole (not streamed) chat answer's
 
     def add_tool_call_delta(self, delta: dict[str, Any]) -> None:
         call = self.tool_calls.setdefault(
@@ -72,6 +73,7 @@ class Capture:
             choice.token_ids = list(raw.get("token_ids") or [])
             choice.logprobs = _logprobs(raw)
             choice.finish_reason = raw.get("finish_reason")
+            choice.message = raw.get("message") if isinstance(raw.get("message"), dict) else None
 
     def add_chunk(self, chunk: dict[str, Any]) -> None:
         if not self.head:
@@ -116,6 +118,11 @@ class Capture:
         if isinstance(prompt, int) and prompt != len(self.prompt_token_ids):
             return f"token capture incomplete: {len(self.prompt_token_ids)} prompt ids for {prompt} prompt tokens"
         return None
+
+    def messages(self) -> dict[int, dict[str, Any]]:
+        """Each choice's chat answer message, whole or assembled from the stream."""
+        assembled = {c["index"]: c.get("message") or {} for c in self.assembled(True)["choices"]}
+        return {i: c.message if c.message is not None else assembled[i] for i, c in self.choices.items()}
 
     def completions(self) -> list[Completion]:
         return [Completion(i, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(self.choices.items())]

@@ -34,6 +34,7 @@ from proxy.errors import (
 from proxy.sessions import parse_key, request_key
 from proxy.settings import Settings
 from proxy.state import ProxyState
+from proxy.threads import Answer
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.store import SessionConflict, utcnow
@@ -139,7 +140,22 @@ class Call:
         self.rewrites: dict[str, Any] = {}
         self.response_id: str | None = None
         self.on_recorded: Callable[[CallRecord], None] | None = None  # called once it is committed
+        self.chat_body: dict[str, Any] | None = None  # the upstream chat body, with token-in
+        self.prompt_ids: list[int] | None = None  # the prompt token-in built
+        self.thread_start: str | None = None
         self.pin(self.state.upstreams.for_session(self.session.id))
+
+    async def plan_prompt(self, body: dict[str, Any]) -> None:
+        """Token-in for an upstream chat body (proxy/threads.py): when the call continues a
+        thread of its session, its prompt is built from that thread's tokens."""
+        settings = self.state.settings
+        if settings.messages_mode or not settings.upstream_token_ids:
+            return
+        self.chat_body = body
+        plan = await self.state.threads.plan(self.upstream, self.session.id, body)
+        self.prompt_ids, self.thread_start = plan.prompt_ids, plan.why
+        if plan.prompt_ids is not None:
+            body["kv_transfer_params"] = {"prompt_token_ids": plan.prompt_ids}
 
     def pin(self, upstream: Upstream) -> None:
         """Send the call to `upstream` (the session's; another if that one is down)."""
@@ -155,6 +171,13 @@ class Call:
             error = capture.incomplete()  # answered, but never trained on as if complete
             if error and capture.text_without_ids:
                 self.upstream.note_stream_gap(error)
+        token_in = self.prompt_ids is not None and capture.prompt_token_ids == self.prompt_ids
+        if self.prompt_ids is not None and capture.prompt_token_ids and not token_in:
+            self.thread_start = "the upstream rendered the messages itself (it did not take kv_transfer_params)"
+        if error is None and self.chat_body is not None and capture.prompt_token_ids:
+            messages = capture.messages()
+            answers = [Answer(messages[i], c.token_ids, c.finish_reason) for i, c in sorted(capture.choices.items())]
+            state.threads.add(self.session.id, self.chat_body, capture.prompt_token_ids, answers)
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,
@@ -175,6 +198,8 @@ class Call:
             finished_at=utcnow(),
             rewrites=self.rewrites,
             response_id=self.response_id,
+            token_in=token_in,
+            thread_start=None if token_in or self.chat_body is None else self.thread_start,
         )
         state.observe(call)
         return call

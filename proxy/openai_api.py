@@ -108,6 +108,8 @@ async def forward(request: Request, api: Api) -> Response:
     if stream:  # the usage chunk lets the capture check its own count
         upstream_body["stream_options"] = {**options, "include_usage": True}
     call.rewrites = await fit_to_backend(state, upstream_body)
+    if api.chat:
+        await call.plan_prompt(upstream_body)
     try:
         resp, data = await open_upstream(call, api.path, upstream_body)
     except UpstreamError as exc:  # already in the OpenAI shape: passed through as is

@@ -231,6 +231,7 @@ async def responses(request: Request) -> Response:
     call.response_id = f"resp_{uuid.uuid4().hex}"
     call.on_recorded = request.app.state.recent_responses.remember
     call.rewrites = await fit_to_backend(state, chat)
+    await call.plan_prompt(chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)
     except UpstreamError as exc:  # already in the OpenAI shape: passed through as is

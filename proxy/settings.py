@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     # Any other OpenAI-compatible upstream (a provider, a litellm proxy): calls are recorded as
     # text, without token ids, for distillation or evaluation; trajectories skip them.
     upstream_token_ids: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")
+    messages_mode: bool = Field(
+        False, description="no token-in: the upstream renders every call's messages itself, as the harness sent them"
+    )
     upstream_api_key: str | None = Field(None, description="sent upstream as a Bearer token")
     upstream_timeout: float = Field(600.0, description="seconds to wait for upstream data")
     upstream_connect_timeout: float = 10.0

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from proxy.metrics import Metrics
 from proxy.settings import Settings
+from proxy.threads import Threads
 from proxy.upstream import Upstreams
 from recorder import CallRecord, SessionInfo
 
@@ -72,6 +73,7 @@ class ProxyState:
     upstreams: Upstreams
     metrics: Metrics = field(default_factory=Metrics)
     numbers: CallNumbers = field(default_factory=CallNumbers)
+    threads: Threads = field(default_factory=Threads)
 
     def observe(self, call: CallRecord) -> None:
         m = self.metrics

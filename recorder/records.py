@@ -53,6 +53,10 @@ class CallRecord:
     response_id: str | None = None  # the Responses API's id of this answer (previous_response_id)
     # Chosen where the call is made and unique in the store: a write retried after a commit whose
     # answer was lost finds its call already there instead of writing it twice.
+    # Token-in (proxy/threads.py): whether the prompt was built from the tokens of an earlier call
+    # of the session, and if the call starts a new thread instead, why.
+    token_in: bool = False
+    thread_start: str | None = None
     # (None when read back from a store written before schema version 6.) A copy made with
     # dataclasses.replace keeps it: give a copy recorded as a call of its own a new one.
     call_id: str | None = field(default_factory=lambda: uuid4().hex)

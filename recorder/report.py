@@ -16,6 +16,8 @@ def describe_break(brk: Break, decode: Decode | None = None) -> str:
     text = f"call {brk.seq} starts a new chain: {brk.reason}"
     if brk.at is not None and brk.reason == "prefix diverges":
         text += f" at token {brk.at}"
+    if brk.thread_start:
+        text += f" (the proxy started a new thread: {brk.thread_start})"
     if brk.expected or brk.found:
         show: Decode = decode or (lambda ids: str(ids))
         text += f"\n    chain had:   {show(brk.expected)!r}\n    prompt has:  {show(brk.found)!r}"

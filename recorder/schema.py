@@ -39,6 +39,8 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         "CREATE UNIQUE INDEX ix_calls_call_id ON calls (call_id)",
         "ALTER TABLE rewards ADD COLUMN reward_id VARCHAR(64)",
         "CREATE UNIQUE INDEX ix_rewards_reward_id ON rewards (session_id, reward_id)",
+        "ALTER TABLE calls ADD COLUMN token_in BOOLEAN",  # token-in: prompts built from earlier tokens
+        "ALTER TABLE calls ADD COLUMN thread_start VARCHAR(256)",
     ],
 }
 
@@ -136,6 +138,8 @@ class CallRow(Base):
     rewrites: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     response_id: Mapped[str | None] = mapped_column(String(64), index=True)
     call_id: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)  # None: written before version 6
+    token_in: Mapped[bool | None]
+    thread_start: Mapped[str | None] = mapped_column(String(256))
 
 
 class CompletionRow(Base):

@@ -82,6 +82,7 @@ _CALL_FIELDS = [f for f in CallRecord.__dataclass_fields__ if f != "completions"
 def _call_record(row: Any, completions: list[Completion]) -> CallRecord:
     fields = {name: row[name] for name in _CALL_FIELDS}
     fields["rewrites"] = fields["rewrites"] or {}
+    fields["token_in"] = bool(fields["token_in"])  # None: written before version 6
     return CallRecord(**fields, completions=completions)
 
 

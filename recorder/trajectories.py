@@ -12,7 +12,7 @@ skipped and reported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from recorder.records import CallRecord, Completion, SessionInfo
@@ -42,6 +42,7 @@ class Break:
     at: int | None = None
     expected: list[int] = field(default_factory=list)
     found: list[int] = field(default_factory=list)
+    thread_start: str | None = None  # why the proxy did not continue a thread (token-in), if it says
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ def _system(request: dict[str, Any]) -> Any:
 
 
 def _break(call: CallRecord, previous: _Chain, prompts: set[tuple[int, ...]]) -> Break:
+    return replace(_why_break(call, previous, prompts), thread_start=call.thread_start)
+
+
+def _why_break(call: CallRecord, previous: _Chain, prompts: set[tuple[int, ...]]) -> Break:
     prompt = call.prompt_token_ids
     if tuple(prompt) in prompts:
         return Break(call.seq, "retry")

@@ -1,0 +1,179 @@
+"""Token-in: a continuing call's prompt is built from the tokens the model already saw and sampled.
+
+A harness sends its whole conversation again on every call. The proxy keeps, for each session,
+the token state of its recent calls (a thread: the call's messages, prompt ids and each choice's
+sampled ids and answer). When a request's messages are a thread's messages, then that call's
+answer as the harness echoes it back (tool calls, text, with `<think>` blocks stripped or not),
+then new messages, its prompt is the thread's prompt ids + the sampled ids + the bridge: the
+tokens of the new messages as the model's own template renders them. So the training sequence of
+an agent episode is one token-exact sequence whatever the template does with history (drop tool
+calls, strip thinking) and however a sampled text would re-tokenize.
+
+The bridge needs no per-model code: the upstream renders the whole new request (`/tokenize`) and
+the bridge is what follows the end-of-turn token that closes the echoed answer. That is the n-th
+end-of-turn token of the rendering, n being how many the thread's own tokens hold (one more if
+its answer was cut before sampling one). The end-of-turn token is learnt from the first answer
+that ends with one. The ids go to vLLM's Chat Completions as `kv_transfer_params.prompt_token_ids`,
+so the answer is parsed (tool calls, reasoning) and shaped as before.
+
+Anything else starts a new thread, and the call records why (`thread_start`): the first call,
+edited history, a compaction, another system prompt or tools, an answer not echoed as sampled,
+a rendering whose end-of-turn tokens do not line up.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.upstream import Upstream
+
+log = logging.getLogger("rl_proxy.threads")
+
+THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+THREADS_PER_SESSION = 8  # a harness may fork: retries, sub-agents, n > 1
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # content parts
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content.strip() if isinstance(content, str) else ""
+
+
+def _arguments(value: Any) -> Any:
+    try:
+        return orjson.loads(value) if isinstance(value, str) else value
+    except orjson.JSONDecodeError:
+        return value
+
+
+def norm(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a chat message the model saw: role, text, tool calls (name and arguments, ids
+    aside)."""
+    calls = tuple(
+        (str(fn.get("name")), orjson.dumps(_arguments(fn.get("arguments")), option=orjson.OPT_SORT_KEYS))
+        for fn in ((c.get("function") or {}) for c in message.get("tool_calls") or [] if isinstance(c, dict))
+    )
+    return message.get("role"), _text(message.get("content")), calls
+
+
+def echoes(echoed: tuple[Any, ...], sampled: tuple[Any, ...]) -> bool:
+    """Whether a message is a sampled answer as the harness sends it back: as it was, or with its
+    `<think>` blocks stripped."""
+    role, text, calls = sampled
+    return echoed in (sampled, (role, THINK.sub("", text).strip(), calls))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One sampled choice of a thread's call."""
+
+    message: dict[str, Any]  # the assistant message as the upstream answered it
+    sampled: list[int]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Thread:
+    messages: list[tuple[Any, ...]]  # norm() of each message of the call's request
+    tools: bytes  # the request's tools, canonical
+    prompt_ids: list[int]
+    answers: list[Answer]
+
+
+@dataclass
+class Plan:
+    """How a call's prompt is made: `prompt_ids` (token-in), or None with `why` a new thread."""
+
+    prompt_ids: list[int] | None
+    why: str | None  # why the call starts a new thread (None: it continues one)
+
+
+def tools_key(body: dict[str, Any]) -> bytes:
+    return orjson.dumps([body.get("tools"), body.get("chat_template_kwargs")], option=orjson.OPT_SORT_KEYS)
+
+
+class Threads:
+    """The open threads of recent sessions, and the end-of-turn token of each served model.
+    Bounded: sessions not used for a while are forgotten (their next call starts a thread)."""
+
+    def __init__(self, sessions: int = 10_000) -> None:
+        self._by_session: OrderedDict[str, list[Thread]] = OrderedDict()
+        self._sessions = sessions
+        self.end_of_turn: dict[str, int] = {}  # served model: its end-of-turn token id
+
+    def add(self, session_id: str, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]) -> None:
+        """A recorded call of the session: `body` as sent upstream, its prompt ids and answers."""
+        model = str(body.get("model"))
+        if model not in self.end_of_turn and not body.get("stop") and not body.get("stop_token_ids"):
+            ended = [a.sampled[-1] for a in answers if a.finish_reason == "stop" and a.sampled]
+            if ended:  # no stop string asked for: what ended the answer is the end-of-turn token
+                self.end_of_turn[model] = ended[0]
+        messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
+        thread = Thread(messages, tools_key(body), prompt_ids, answers)
+        threads = self._by_session.setdefault(session_id, [])
+        threads.append(thread)
+        del threads[:-THREADS_PER_SESSION]
+        self._by_session.move_to_end(session_id)
+        if len(self._by_session) > self._sessions:
+            self._by_session.popitem(last=False)
+
+    def _continued(self, session_id: str, messages: list[tuple[Any, ...]], tools: bytes) -> tuple[Thread, Answer] | str:
+        """The thread (and its answer) that `messages` continue, or why none does."""
+        threads = self._by_session.get(session_id)
+        if not threads:
+            return "first call of the session seen by this proxy"
+        why = "the conversation is not a continuation of an earlier call's"
+        for thread in sorted(threads, key=lambda t: -len(t.messages)):
+            n = len(thread.messages)
+            if len(messages) <= n + 1 or messages[:n] != thread.messages:
+                continue
+            if thread.tools != tools:
+                why = "the tools or template arguments changed"
+                continue
+            for answer in thread.answers:
+                if echoes(messages[n], norm(answer.message)):
+                    return thread, answer
+            why = f"message {n + 1} is not the assistant answer sampled there"
+        return why
+
+    async def plan(self, upstream: Upstream, session_id: str, body: dict[str, Any]) -> Plan:
+        """Token-in for a chat body bound for `upstream`: its prompt ids, or why it starts a thread."""
+        messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
+        found = self._continued(session_id, messages, tools_key(body))
+        if isinstance(found, str):
+            return Plan(None, found)
+        thread, answer = found
+        model = str(body.get("model"))
+        eot = self.end_of_turn.get(model)
+        if eot is None:
+            return Plan(None, "the model's end-of-turn token is not known yet")
+        sequence = thread.prompt_ids + answer.sampled
+        closed = bool(answer.sampled) and answer.sampled[-1] == eot
+        n = sequence.count(eot) + (0 if closed else 1)
+        rendered = await render(upstream, body)
+        if rendered is None:
+            return Plan(None, "the upstream could not render the request (/tokenize)")
+        ends = [i for i, t in enumerate(rendered) if t == eot]
+        if len(ends) <= n - 1 or ends[n - 1] == len(rendered) - 1:
+            return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
+        bridge = rendered[ends[n - 1] + (1 if closed else 0) :]
+        return Plan(sequence + bridge, None)
+
+
+async def render(upstream: Upstream, body: dict[str, Any]) -> list[int] | None:
+    """The prompt ids of a chat body as the upstream's template renders them."""
+    fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if body.get(k) is not None}
+    try:
+        resp = await upstream.send("POST", "/tokenize", {**fields, "add_generation_prompt": True}, at_root=True)
+        data = orjson.loads(await upstream.read(resp))
+    except Exception as exc:  # any failure only means no token-in for this call
+        log.warning("rendering for token-in failed: %s", exc)
+        return None
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    return tokens if resp.ok and isinstance(tokens, list) else None
