@@ -69,13 +69,14 @@ def test_an_anthropic_tool_use_round_trip_is_one_sequence(make_proxy: Any, vllm:
     claude = anthropic.Anthropic(base_url=proxy.url, api_key="ti-claude", max_retries=0)
     add = {"name": "add", "description": "Add two integers.", "input_schema": ADD_TOOL["function"]["parameters"]}
     ask: list[dict[str, Any]] = [{"role": "user", "content": "Use the add tool to add 2 and 3."}]
-    with claude.messages.stream(model=vllm.model, max_tokens=60, tools=[add], messages=ask,
-                                tool_choice={"type": "tool", "name": "add"}, extra_body={"temperature": 0}) as s:  # fmt: skip
+    greedy: Any = {"extra_body": {"temperature": 0}, "tools": [add], "model": vllm.model}
+    forced = {"type": "tool", "name": "add"}
+    with claude.messages.stream(max_tokens=60, messages=ask, tool_choice=forced, **greedy) as s:  # type: ignore[arg-type]
         reply = s.get_final_message()
     [use] = [b for b in reply.content if b.type == "tool_use"]
-    follow = [*ask, {"role": "assistant", "content": [use.model_dump()]},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]  # fmt: skip
-    claude.messages.create(model=vllm.model, max_tokens=12, tools=[add], messages=follow, extra_body={"temperature": 0})
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "5"}
+    follow = [*ask, {"role": "assistant", "content": [use.model_dump()]}, {"role": "user", "content": [result]}]
+    claude.messages.create(max_tokens=12, messages=follow, **greedy)
     assert_one_exact_sequence(proxy.calls("ti-claude"))
 
 
