@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ from proxy.upstream import Upstream
 log = logging.getLogger("rl_proxy.threads")
 
 THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-THREADS_PER_SESSION = 8  # a harness may fork: retries, sub-agents, n > 1
+THREADS_PER_SESSION = 4  # a harness may fork: retries, sub-agents, n > 1
+SESSIONS = 2_000  # sessions whose threads are kept: at most 8,000 prompts of 4 bytes a token
 
 
 def _text(content: Any) -> str:
@@ -82,7 +84,7 @@ class Answer:
 class Thread:
     messages: list[tuple[Any, ...]]  # norm() of each message of the call's request
     tools: bytes  # the request's tools, canonical
-    prompt_ids: list[int]
+    prompt_ids: array[int]  # 4 bytes a token
     answers: list[Answer]
 
 
@@ -94,15 +96,18 @@ class Plan:
     why: str | None  # why the call starts a new thread (None: it continues one)
 
 
+TEMPLATE_FIELDS = ("tools", "chat_template", "chat_template_kwargs")  # what renders a chat besides its messages
+
+
 def tools_key(body: dict[str, Any]) -> bytes:
-    return orjson.dumps([body.get("tools"), body.get("chat_template_kwargs")], option=orjson.OPT_SORT_KEYS)
+    return orjson.dumps([body.get(k) for k in TEMPLATE_FIELDS], option=orjson.OPT_SORT_KEYS)
 
 
 class Threads:
     """The open threads of recent sessions, and the end-of-turn token of each served model.
     Bounded: sessions not used for a while are forgotten (their next call starts a thread)."""
 
-    def __init__(self, sessions: int = 10_000) -> None:
+    def __init__(self, sessions: int = SESSIONS) -> None:
         self._by_session: OrderedDict[str, list[Thread]] = OrderedDict()
         self._sessions = sessions
         self.end_of_turn: dict[str, int] = {}  # served model: its end-of-turn token id
@@ -115,7 +120,7 @@ class Threads:
             if ended:  # no stop string asked for: what ended the answer is the end-of-turn token
                 self.end_of_turn[model] = ended[0]
         messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
-        thread = Thread(messages, tools_key(body), prompt_ids, answers)
+        thread = Thread(messages, tools_key(body), array("i", prompt_ids), answers)
         threads = self._by_session.setdefault(session_id, [])
         threads.append(thread)
         del threads[:-THREADS_PER_SESSION]
@@ -134,7 +139,7 @@ class Threads:
             if len(messages) <= n + 1 or messages[:n] != thread.messages:
                 continue
             if thread.tools != tools:
-                why = "the tools or template arguments changed"
+                why = "the tools or the chat template changed"
                 continue
             for answer in thread.answers:
                 if echoes(messages[n], norm(answer.message)):
@@ -153,7 +158,7 @@ class Threads:
         eot = self.end_of_turn.get(model)
         if eot is None:
             return Plan(None, "the model's end-of-turn token is not known yet")
-        sequence = thread.prompt_ids + answer.sampled
+        sequence = thread.prompt_ids.tolist() + answer.sampled
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
         n = sequence.count(eot) + (0 if closed else 1)
         rendered = await render(upstream, body)
@@ -168,7 +173,7 @@ class Threads:
 
 async def render(upstream: Upstream, body: dict[str, Any]) -> list[int] | None:
     """The prompt ids of a chat body as the upstream's template renders them."""
-    fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if body.get(k) is not None}
+    fields = {k: body[k] for k in ("model", "messages", *TEMPLATE_FIELDS) if body.get(k) is not None}
     try:
         resp = await upstream.send("POST", "/tokenize", {**fields, "add_generation_prompt": True}, at_root=True)
         data = orjson.loads(await upstream.read(resp))

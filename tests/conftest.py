@@ -50,7 +50,9 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     # --enforce-eager: 45 s to start instead of 120 s (this CPU build recompiles at every start,
     # its compile cache fails to load); token ids, logprobs and the API are the same. 8192 tokens
     # of context (SmolLM2's own): Claude Code's prompt alone is about 7,600.
-    with VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=["--enforce-eager"]) as server:
+    # --trust-request-chat-template: the token-in test renders with a template of its own.
+    extra = ["--enforce-eager", "--trust-request-chat-template"]
+    with VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=extra) as server:
         server.wait_ready(900)
         yield Upstream(server.base_url, name, 8192, log)
 

@@ -4,6 +4,7 @@ training sequence whose masked-in tokens are exactly the sampled ids, where the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -96,3 +97,32 @@ def test_an_edited_history_starts_a_new_thread_and_says_why(make_proxy: Any, vll
     assert continued.token_in and continued.thread_start is None
     shown = build_sequences([_, rewritten])
     assert shown.breaks and shown.breaks[0].thread_start == rewritten.thread_start
+
+
+THINK_TEMPLATE = (Path(__file__).parent.parent / "support" / "think_template.jinja").read_text()
+# SmolLM2's template, except that earlier assistant turns lose their <think> blocks (as Qwen3's
+# does), sent with each request; the answers are made to think by a regex.
+THINKING = {"chat_template": THINK_TEMPLATE,
+            "structured_outputs": {"regex": r"<think>[a-z ]{4,40}</think>[A-Za-z ,.]{4,40}"}}  # fmt: skip
+
+
+def think_session(url: str, key: str, model: str) -> None:
+    """Four turns whose answers think first; the harness sends them back whole or stripped of
+    their thinking, turn about."""
+    client = OpenAI(base_url=url, api_key=key, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Think, then name a colour."}]
+    for turn in range(4):
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,  # type: ignore[call-overload]
+                                               extra_body=THINKING)  # fmt: skip
+        answer = reply.choices[0].message.content
+        assert "</think>" in answer and reply.choices[0].finish_reason == "stop", answer
+        shown = answer if turn % 2 else answer.split("</think>")[-1].strip()
+        messages += [{"role": "assistant", "content": shown}, {"role": "user", "content": "And another?"}]
+
+
+def test_a_template_that_strips_earlier_thinking_still_gives_one_sequence(make_proxy: Any, vllm: Upstream) -> None:
+    token_in, messages_mode = make_proxy(vllm.url), make_proxy(vllm.url, messages_mode=True)
+    think_session(token_in.v1, "ti-think", vllm.model)
+    think_session(messages_mode.v1, "ti-think", vllm.model)
+    assert_one_exact_sequence(token_in.calls("ti-think"))
+    assert len(build_sequences(messages_mode.calls("ti-think")).sequences) == 4

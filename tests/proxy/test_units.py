@@ -13,6 +13,7 @@ from typing import Any
 from proxy.capture import Capture, client_view
 from proxy.responses import RecentResponses
 from proxy.sessions import parse_key
+from proxy.threads import Answer, Plan, Threads
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer
 from tests.support.samples import call
@@ -154,3 +155,42 @@ async def test_streams_are_asked_for_whole_only_after_a_real_gap_and_not_for_goo
         "a stream lost token i", "streams are streamed ", "a stream lost token i", "streams are streamed "
     ]  # fmt: skip
     await upstream.close()
+
+
+async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> None:
+    """Threads on hand-built ids (E is the end-of-turn token): the bridge is the rendering after
+    the end-of-turn token closing the echoed answer, which the template re-rendered differently;
+    an answer cut before its end-of-turn token gets the template's."""
+    E, NL, A = 2, 198, 7  # end of turn, newline, "assistant" header
+    ask = [{"role": "user", "content": "hi"}]
+    prompt = [1, 50, 51, E, NL, A]
+    rendered = [1, 50, 51, E, NL, A, 90, 91, E, NL, 60, 61, E, NL, A]  # answer re-rendered as 90 91
+    monkeypatch.setattr("proxy.threads.render", lambda upstream, body: _returns(rendered))
+    for sampled, finish, expected in (
+        ([80, 81, E], "stop", [*prompt, 80, 81, E, NL, 60, 61, E, NL, A]),  # sampled, then the bridge
+        ([80, 81], "length", [*prompt, 80, 81, E, NL, 60, 61, E, NL, A]),
+    ):
+        threads = Threads()
+        threads.end_of_turn["m"] = E
+        threads.add(
+            "s",
+            {"model": "m", "messages": ask},
+            prompt,
+            [Answer({"role": "assistant", "content": "ok"}, sampled, finish)],
+        )
+        follow = {
+            "model": "m",
+            "messages": [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
+        }
+        assert await threads.plan(None, "s", follow) == Plan(expected, None)  # type: ignore[arg-type]
+        other = {
+            **follow,
+            "messages": [*ask, {"role": "assistant", "content": "not ok"}, {"role": "user", "content": "more"}],
+        }
+        assert (await threads.plan(None, "s", other)).why == "message 2 is not the assistant answer sampled there"  # type: ignore[arg-type]
+        tools = {**follow, "tools": [{"type": "function", "function": {"name": "f"}}]}
+        assert (await threads.plan(None, "s", tools)).why == "the tools or the chat template changed"  # type: ignore[arg-type]
+
+
+async def _returns(value: Any) -> Any:
+    return value
