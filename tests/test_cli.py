@@ -113,5 +113,5 @@ def test_export_rl_parquet(db: str, tmp_path: Path) -> None:
 def test_doctor_on_the_default_model() -> None:
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
-    assert "drops tool calls" in result.output
+    assert "drops tool calls" in result.output and "token-in" in result.output
     assert runner.invoke(app, ["doctor", "--model", "/no/such/model"]).exit_code == 1

@@ -50,11 +50,13 @@ def doctor(
     if not findings:
         console.print(f"{name}: the chat template is append-only on every checked conversation")
         return
-    console.print(f"{name}: {len(findings)} place(s) where turns will not merge")
+    console.print(f"{name}: {len(findings)} place(s) where turns re-rendered from messages will not merge")
     for f in findings:
         console.print(f"- {f.conversation}, assistant message {f.turn}: {f.problem}", markup=False)
         if f.detail:
             console.print(f"    {f.detail}", markup=False, highlight=False)
+    console.print("token-in (the proxy's default with vLLM) builds continuing prompts from the sampled tokens, so "
+                  "these merge anyway; they break sessions only in --messages-mode", markup=False)  # fmt: skip
 
 
 @model_app.command("prepare")
