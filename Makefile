@@ -70,4 +70,5 @@ bench: install
 	$(PY) -m benchmarks.soak --bench
 	$(PY) -m benchmarks.bench_trajectories
 	$(PY) -m benchmarks.bench_episodes
+	$(PY) -m benchmarks.bench_token_in
 	$(PY) -m benchmarks.bench_train

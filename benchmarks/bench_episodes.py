@@ -50,7 +50,9 @@ def measure(upstream: str, model: str, levels: list[int], per_level: int, work: 
 
 
 @contextmanager
-def bench_vllm(upstream: str | None, work: Path, max_model_len: int) -> Iterator[tuple[str, str]]:
+def bench_vllm(
+    upstream: str | None, work: Path, max_model_len: int, extra_args: list[str] | None = None
+) -> Iterator[tuple[str, str]]:
     """(base URL, served model): the running vLLM given, or one launched here (eager mode)."""
     if upstream:
         import httpx
@@ -62,7 +64,7 @@ def bench_vllm(upstream: str | None, work: Path, max_model_len: int) -> Iterator
     path, model = resolve_model("default")
     print("starting vLLM (eager) ...", flush=True)
     with VllmServer(path, model, log_file=work / "vllm.log", max_model_len=max_model_len,
-                    extra_args=["--enforce-eager"]) as server:  # fmt: skip
+                    extra_args=["--enforce-eager", *(extra_args or [])]) as server:  # fmt: skip
         server.wait_ready(900)
         yield server.base_url, model
 

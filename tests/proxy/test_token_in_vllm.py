@@ -4,38 +4,17 @@ training sequence whose masked-in tokens are exactly the sampled ids, where the 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import anthropic
 import pytest
 from openai import OpenAI
 
 from recorder import CallRecord
 from recorder.trajectories import build_sequences
-from tests.support.samples import ADD_TOOL, FORCE_ADD
+from tests.support.sessions import anthropic_session, think_session, tool_session
 from tests.support.stack import Upstream
 
 pytestmark = pytest.mark.vllm
-
-ASK = [{"role": "user", "content": "Add 2 and 3 with the add tool, then add 4 to the result."}]
-
-
-def tool_session(url: str, key: str, model: str, stream: bool = False) -> None:
-    """Three calls of the openai SDK: two forced `add` calls answered with tool results, then one
-    free answer, each call sending the whole conversation again as a harness does."""
-    client = OpenAI(base_url=url, api_key=key, max_retries=0)
-    messages: list[dict[str, Any]] = list(ASK)
-    for turn in range(3):
-        kwargs: Any = dict(model=model, messages=messages, tools=[ADD_TOOL], max_tokens=80, temperature=0,
-                           tool_choice=FORCE_ADD if turn < 2 else "auto")  # fmt: skip
-        if stream:
-            final = client.chat.completions.stream(**kwargs).__enter__().get_final_completion()
-        else:
-            final = client.chat.completions.create(**kwargs)
-        message = final.choices[0].message
-        messages.append(message.model_dump(exclude_none=True, exclude={"parsed"}))
-        messages += [{"role": "tool", "tool_call_id": t.id, "content": "5"} for t in message.tool_calls or []]
 
 
 def assert_one_exact_sequence(calls: list[CallRecord]) -> None:
@@ -67,17 +46,7 @@ def test_in_messages_mode_the_template_breaks_the_same_session_apart(make_proxy:
 
 def test_an_anthropic_tool_use_round_trip_is_one_sequence(make_proxy: Any, vllm: Upstream) -> None:
     proxy = make_proxy(vllm.url)
-    claude = anthropic.Anthropic(base_url=proxy.url, api_key="ti-claude", max_retries=0)
-    add = {"name": "add", "description": "Add two integers.", "input_schema": ADD_TOOL["function"]["parameters"]}
-    ask: list[dict[str, Any]] = [{"role": "user", "content": "Use the add tool to add 2 and 3."}]
-    greedy: Any = {"extra_body": {"temperature": 0}, "tools": [add], "model": vllm.model}
-    forced = {"type": "tool", "name": "add"}
-    with claude.messages.stream(max_tokens=60, messages=ask, tool_choice=forced, **greedy) as s:  # type: ignore[arg-type]
-        reply = s.get_final_message()
-    [use] = [b for b in reply.content if b.type == "tool_use"]
-    result = {"type": "tool_result", "tool_use_id": use.id, "content": "5"}
-    follow = [*ask, {"role": "assistant", "content": [use.model_dump()]}, {"role": "user", "content": [result]}]
-    claude.messages.create(max_tokens=12, messages=follow, **greedy)
+    anthropic_session(proxy.url, "ti-claude", vllm.model)
     assert_one_exact_sequence(proxy.calls("ti-claude"))
 
 
@@ -97,27 +66,6 @@ def test_an_edited_history_starts_a_new_thread_and_says_why(make_proxy: Any, vll
     assert continued.token_in and continued.thread_start is None
     shown = build_sequences([_, rewritten])
     assert shown.breaks and shown.breaks[0].thread_start == rewritten.thread_start
-
-
-THINK_TEMPLATE = (Path(__file__).parent.parent / "support" / "think_template.jinja").read_text()
-# SmolLM2's template, except that earlier assistant turns lose their <think> blocks (as Qwen3's
-# does), sent with each request; the answers are made to think by a regex.
-THINKING = {"chat_template": THINK_TEMPLATE,
-            "structured_outputs": {"regex": r"<think>[a-z ]{4,40}</think>[A-Za-z ,.]{4,40}"}}  # fmt: skip
-
-
-def think_session(url: str, key: str, model: str) -> None:
-    """Four turns whose answers think first; the harness sends them back whole or stripped of
-    their thinking, turn about."""
-    client = OpenAI(base_url=url, api_key=key, max_retries=0)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Think, then name a colour."}]
-    for turn in range(4):
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,  # type: ignore[call-overload]
-                                               extra_body=THINKING)  # fmt: skip
-        answer = reply.choices[0].message.content
-        assert "</think>" in answer and reply.choices[0].finish_reason == "stop", answer
-        shown = answer if turn % 2 else answer.split("</think>")[-1].strip()
-        messages += [{"role": "assistant", "content": shown}, {"role": "user", "content": "And another?"}]
 
 
 def test_a_template_that_strips_earlier_thinking_still_gives_one_sequence(make_proxy: Any, vllm: Upstream) -> None:

@@ -1,0 +1,101 @@
+"""Token-in against messages mode (`make bench`): agent sessions of several client families through
+rl-proxy on the real vLLM CPU server with the default model, once with token-in and once in
+messages mode, side by side.
+
+Per family: the share of continuation calls that joined the previous call's training sequence
+(1.0: one sequence per episode), whether the masked-in tokens are exactly the sampled ids,
+training tokens merged against one sample per call, and the median latency of a continuation
+call (token-in adds one /tokenize of the request). Launches vLLM (eager mode, trusting request
+chat templates, as the tests do) unless --upstream names a running one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+from collections.abc import Callable
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_episodes import bench_vllm
+from proxy.app import create_app
+from proxy.server import AppThread
+from proxy.settings import Settings
+from recorder import CallRecord, Store
+from recorder.trajectories import build_sequences
+from tests.support.sessions import anthropic_session, text_session, think_session, tool_session
+
+FAMILIES: dict[str, Callable[[str, str, str], None]] = {
+    "openai SDK, forced tool calls (3 calls)": lambda url, key, model: tool_session(f"{url}/v1", key, model),
+    "openai SDK, tool calls streamed (3 calls)": lambda url, key, model: tool_session(f"{url}/v1", key, model, True),
+    "anthropic SDK, tool_use round trip (2 calls)": anthropic_session,
+    "plain text at temperature 1 (4 calls)": lambda url, key, model: text_session(f"{url}/v1", key, model),
+    "template stripping earlier <think> (4 calls)": lambda url, key, model: think_session(f"{url}/v1", key, model),
+}
+
+
+def score(calls: list[CallRecord]) -> dict[str, Any]:
+    report = build_sequences(calls)
+    chain_of = {span.seq: i for i, s in enumerate(report.sequences) for span in s.spans}
+    joined = [chain_of.get(c.seq) == chain_of.get(p.seq) for p, c in pairwise(calls)]
+    exact = all(
+        [t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m]
+        == [t for span in s.spans for t in next(c for c in calls if c.seq == span.seq).completions[0].token_ids]
+        for s in report.sequences
+    )
+    latency = [c.latency_ms for c in calls[1:]]
+    return {"joined": sum(joined) / max(1, len(joined)), "exact": exact, "tokens": report.tokens,
+            "unmerged": report.unmerged_tokens, "latency": latency}  # fmt: skip
+
+
+def measure(upstream: str, model: str, sessions: int, work: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for mode in ("token-in", "messages"):
+        db = str(work / f"{mode}.db")
+        with AppThread(create_app(Settings(upstream=upstream, db=db, messages_mode=mode == "messages"))) as proxy:
+            for f, (family, run) in enumerate(FAMILIES.items()):
+                for n in range(sessions):
+                    run(proxy.url, f"{mode}-{f}-{n}", model)
+                print(f"  {mode}: {family}: done", flush=True)
+
+        async def read(db: str = db, mode: str = mode) -> None:
+            async with Store(db) as store:
+                for f, family in enumerate(FAMILIES):
+                    scores = [score([c async for c in store.iter_calls(f"{mode}-{f}-{n}")]) for n in range(sessions)]
+                    results.setdefault(family, {})[mode] = {
+                        "joined": statistics.mean(s["joined"] for s in scores),
+                        "exact": all(s["exact"] for s in scores),
+                        "tokens": sum(s["tokens"] for s in scores), "unmerged": sum(s["unmerged"] for s in scores),
+                        "latency": statistics.median(x for s in scores for x in s["latency"]),
+                    }  # fmt: skip
+
+        asyncio.run(read())
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", help="a running vLLM (…/v1, started with --trust-request-chat-template)")
+    parser.add_argument("--sessions", type=int, default=3, help="sessions per family and mode")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rlp-bench-token-in-"))
+    extra = ["--trust-request-chat-template"]
+    with bench_vllm(args.upstream, work, max_model_len=4096, extra_args=extra) as (upstream, model):
+        results = measure(upstream, model, args.sessions, work)
+    print(f"\nToken-in against messages mode ({model}, vLLM CPU, 2 cores), {args.sessions} sessions a family\n")
+    print(
+        "| family | continuation calls joined: token-in / messages | exact | training tokens merged / one per call "
+        "(token-in) | median continuation call ms: token-in / messages |"
+    )
+    print("|---|---:|---|---:|---:|")
+    for family, r in results.items():
+        t, m = r["token-in"], r["messages"]
+        print(f"| {family} | {t['joined']:.2f} / {m['joined']:.2f} | {'yes' if t['exact'] and m['exact'] else 'NO'} | "
+              f"{t['tokens']} / {t['unmerged']} | {t['latency']:.0f} / {m['latency']:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
