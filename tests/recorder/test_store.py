@@ -203,6 +203,8 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         for index in ("ix_calls_call_id", "ix_rewards_reward_id"):
             conn.execute(f"drop index {index}")
         conn.execute("alter table calls drop column call_id")
+        conn.execute("alter table calls drop column token_in")
+        conn.execute("alter table calls drop column thread_start")
         conn.execute("alter table rewards drop column reward_id")
         conn.execute("alter table rewards drop column call_seq")
         conn.execute("alter table calls drop column rewrites")

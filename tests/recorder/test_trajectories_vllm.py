@@ -92,10 +92,12 @@ def test_two_interleaved_agents_give_two_sequences(proxy: RunningProxy, vllm: Up
         assert_lines_up(sequence, calls)
 
 
-def test_official_tool_calls_that_the_template_drops_are_a_reported_break(proxy: RunningProxy, vllm: Upstream) -> None:
-    """SmolLM2's chat template renders only `content`: an assistant tool call sent back is not
-    the text the model sampled, so the next prompt cannot extend the chain. It must be a
-    reported break, never a wrong merge."""
+def test_official_tool_calls_that_the_template_drops_are_a_reported_break(make_proxy: Any, vllm: Upstream) -> None:
+    """In messages mode (no token-in) SmolLM2's chat template renders only `content`: an
+    assistant tool call sent back is not the text the model sampled, so the next prompt cannot
+    extend the chain. It must be a reported break, never a wrong merge (token-in merges it:
+    test_token_in_vllm.py)."""
+    proxy = make_proxy(vllm.url, messages_mode=True)
     client = OpenAI(base_url=proxy.v1, api_key="id=template-drops")
     messages: list[Any] = [{"role": "user", "content": "Use the add tool to add 2 and 3."}]
     first = client.chat.completions.create(
