@@ -111,6 +111,7 @@ class Threads:
         self._by_session: OrderedDict[str, list[Thread]] = OrderedDict()
         self._sessions = sessions
         self.end_of_turn: dict[str, int] = {}  # served model: its end-of-turn token id
+        self.unrendering: set[str] = set()  # upstreams without /tokenize
 
     def add(self, session_id: str, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]) -> None:
         """A recorded call of the session: `body` as sent upstream, its prompt ids and answers."""
@@ -161,9 +162,14 @@ class Threads:
         sequence = thread.prompt_ids.tolist() + answer.sampled
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
         n = sequence.count(eot) + (0 if closed else 1)
+        if upstream.base_url in self.unrendering:
+            return Plan(None, NO_RENDERING)
         rendered = await render(upstream, body)
-        if rendered is None:
-            return Plan(None, "the upstream could not render the request (/tokenize)")
+        if isinstance(rendered, str):
+            if rendered == NO_RENDERING:  # found out once, not on every call
+                log.warning("upstream %s: %s; calls are sent as messages", upstream.base_url, rendered)
+                self.unrendering.add(upstream.base_url)
+            return Plan(None, rendered)
         ends = [i for i, t in enumerate(rendered) if t == eot]
         if len(ends) <= n - 1 or ends[n - 1] == len(rendered) - 1:
             return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
@@ -171,14 +177,18 @@ class Threads:
         return Plan(sequence + bridge, None)
 
 
-async def render(upstream: Upstream, body: dict[str, Any]) -> list[int] | None:
-    """The prompt ids of a chat body as the upstream's template renders them."""
+NO_RENDERING = "the upstream has no /tokenize to render requests with (token-in needs it)"
+
+
+async def render(upstream: Upstream, body: dict[str, Any]) -> list[int] | str:
+    """The prompt ids of a chat body as the upstream's template renders them, or why not."""
     fields = {k: body[k] for k in ("model", "messages", *TEMPLATE_FIELDS) if body.get(k) is not None}
     try:
         resp = await upstream.send("POST", "/tokenize", {**fields, "add_generation_prompt": True}, at_root=True)
         data = orjson.loads(await upstream.read(resp))
     except Exception as exc:  # any failure only means no token-in for this call
-        log.warning("rendering for token-in failed: %s", exc)
-        return None
+        return f"the upstream could not render the request: {exc}"
+    if resp.status in (404, 405):
+        return NO_RENDERING
     tokens = data.get("tokens") if isinstance(data, dict) else None
-    return tokens if resp.ok and isinstance(tokens, list) else None
+    return tokens if resp.ok and isinstance(tokens, list) else f"/tokenize answered {resp.status}"

@@ -3,6 +3,7 @@ never a traceback; the proxy keeps serving and nothing recorded before is lost."
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from openai import OpenAI
 
 from proxy.server import AppThread
+from proxy.threads import NO_RENDERING
 from proxy.vllm import free_port
 from recorder.trajectories import build_sequences
 from tests.support.stack import Upstream
@@ -294,3 +296,22 @@ def test_a_messages_stream_with_two_tool_calls_gives_each_its_own_whole_input(ma
         and call.ok
         and call.completions[0].token_ids == [200, 201, 202, 203, 204, 205, 206]
     )
+
+
+def test_an_upstream_that_cannot_render_is_found_out_once_and_calls_go_on(
+    make_proxy: Any, stub: str, caplog: Any
+) -> None:
+    """Stub upstream (no /tokenize): a continuing call is sent as messages, answered and recorded,
+    and says why it started a thread; the upstream is asked once and the log says so once."""
+    proxy = make_proxy(stub)
+    messages: list[dict[str, Any]] = list(CHAT)
+    with caplog.at_level(logging.WARNING, logger="rl_proxy.threads"):
+        for _ in range(3):
+            answer = httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": messages},
+                                headers={"x-api-key": "s-norender"})  # fmt: skip
+            assert answer.status_code == 200
+            messages += [answer.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    first, *rest = proxy.calls("s-norender")
+    assert first.thread_start == "first call of the session seen by this proxy"
+    assert [c.thread_start for c in rest] == [NO_RENDERING] * 2 and not any(c.token_in for c in rest)
+    assert len([r for r in caplog.records if "no /tokenize" in r.getMessage()]) == 1
