@@ -298,12 +298,14 @@ def test_a_messages_stream_with_two_tool_calls_gives_each_its_own_whole_input(ma
     )
 
 
-def test_an_upstream_that_cannot_render_is_found_out_once_and_calls_go_on(
-    make_proxy: Any, stub: str, caplog: Any
-) -> None:
-    """Stub upstream (no /tokenize): a continuing call is sent as messages, answered and recorded,
-    and says why it started a thread; the upstream is asked once and the log says so once."""
-    proxy = make_proxy(stub)
+def test_an_upstream_that_cannot_render_is_found_out_once(make_proxy: Any, caplog: Any) -> None:
+    """Stub upstream without /tokenize: a continuing call is sent as messages, answered and
+    recorded, and says why it started a thread; the upstream is asked once and the log says so once."""
+    with AppThread(stub_app(tokenize=False)) as server:
+        _no_rendering(make_proxy(f"{server.url}/v1"), caplog)
+
+
+def _no_rendering(proxy: Any, caplog: Any) -> None:
     messages: list[dict[str, Any]] = list(CHAT)
     with caplog.at_level(logging.WARNING, logger="rl_proxy.threads"):
         for _ in range(3):

@@ -97,6 +97,7 @@ def test_function_call_round_trip_through_previous_response_id(
     assert two.request["previous_response_id"] == first.id  # recorded as the client sent it
     assert two.prompt_token_ids == three.prompt_token_ids
     assert two.completions[0].token_ids == three.completions[0].token_ids
+    assert two.token_in and three.token_in  # both continue the first call's tokens (docs/proxy.md#token-in)
     assert c.responses.retrieve(second.id).output_text == second.output_text
 
 

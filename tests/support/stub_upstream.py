@@ -34,6 +34,16 @@ def _choice(stream: bool, index: int, text: str, token_ids: list[int], finish: s
     return body
 
 
+def render(messages: list[Any]) -> list[int]:
+    """The stub's chat template: a start token, then per message a few ids its text decides and
+    the end-of-turn token 2 (as sampled answers end), then the generation prompt's token 3."""
+    ids = [1]
+    for message in messages:
+        text = orjson.dumps(message.get("content") if isinstance(message, dict) else message)
+        ids += [200 + len(text) % 700, 200 + sum(text) % 700, 2]
+    return [*ids, 3]
+
+
 def stub_app(
     latency: float = 0.0,
     token_delay: float = 0.0,
@@ -46,6 +56,7 @@ def stub_app(
     choiceless_first: bool = False,
     garbled_at: int | None = None,
     tool_calls: list[tuple[str, str]] | None = None,
+    tokenize: bool = True,
 ) -> FastAPI:
     """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
     the stream sends a malformed event and ends, without `[DONE]`; at `die_at` the server fails
@@ -57,8 +68,17 @@ def stub_app(
     OpenAI does) and answers without token ids or logprobs. A stream's text is `t<id> ` per
     token, or the given `stream_words`, one per token. With `tool_calls` ((name, JSON arguments)
     each) a stream calls those tools as vLLM's tool parser streams them: a call's id and name in
-    its first delta, its arguments in pieces after, one token a chunk."""
+    its first delta, its arguments in pieces after, one token a chunk. It renders chats as
+    `render` says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
+    (`kv_transfer_params.prompt_token_ids`) as vLLM does."""
     app = FastAPI()
+
+    @app.post("/tokenize")
+    async def render_route(request: Request) -> Response:
+        if provider_key is not None or not tokenize:  # another provider: no such route
+            return Response(orjson.dumps({"detail": "Not Found"}), 404)
+        tokens = render((orjson.loads(await request.body())).get("messages") or [])
+        return Response(orjson.dumps({"tokens": tokens, "count": len(tokens)}), media_type="application/json")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -74,7 +94,8 @@ def stub_app(
                 unknown = {"error": {"message": "Unrecognized request argument supplied: return_token_ids"}}
                 return Response(orjson.dumps(unknown), 400)
         await asyncio.sleep(latency)
-        prompt = list(range(1, 1 + len(orjson.dumps(body.get("messages"))) // 4))
+        given = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")  # token-in, as vLLM takes it
+        prompt = given or render(body.get("messages") or [])
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
         if not body.get("stream"):
             out = {**head, "object": "chat.completion", "prompt_token_ids": prompt,

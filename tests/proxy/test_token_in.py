@@ -1,0 +1,36 @@
+"""Token-in with a stub upstream (NOT vLLM): it renders chats with a toy template of its own
+(`stub_upstream.render`, whose end-of-turn token is 2) and takes `kv_transfer_params` prompts as
+vLLM does, so the bridge can be checked id by id; the real thing is in test_token_in_vllm.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.support.stub_upstream import COMPLETION, MODEL, render
+
+
+def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    for turn in range(3):
+        body = {"model": MODEL, "messages": messages}
+        httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "s-ti"}).raise_for_status()
+        messages += [{"role": "assistant", "content": "stub answer"}, {"role": "user", "content": f"and {turn}?"}]
+    first, second, third = proxy.calls("s-ti")
+    assert first.prompt_token_ids == render(messages[:1]) and not first.token_in
+    for before, after, n in ((first, second, 3), (second, third, 5)):
+        bridge = render(messages[:n])[len(render(messages[: n - 1])) - 1 :]  # the new user turn, then "assistant"
+        assert after.prompt_token_ids == before.prompt_token_ids + COMPLETION + bridge
+        assert after.token_in and after.thread_start is None
+
+
+def test_messages_mode_sends_the_messages_as_they_are(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub, messages_mode=True)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "stub answer"},
+                {"role": "user", "content": "more"}]  # fmt: skip
+    for sent in (messages[:1], messages):
+        httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": sent}).raise_for_status()
+    assert [c.prompt_token_ids for c in proxy.calls()] == [render(messages[:1]), render(messages)]
+    assert not any(c.token_in or c.thread_start for c in proxy.calls())
