@@ -12,6 +12,11 @@ The load generator is aiohttp in this process; servers run in their own processe
 A second table gives the cost of translation: the same question asked of rl-proxy as Chat
 Completions, Anthropic Messages and OpenAI Responses (each translated to a chat call upstream),
 whole and streamed, against a direct chat call of the same kind.
+
+A third gives the cost of token-in: 3-turn sessions (each call sends the conversation so far)
+through an rl-proxy with token-in and one in messages mode, side by side; a continuation call's
+latency with token-in (one /tokenize of the request to the stub, and the planning) against
+messages mode.
 """
 
 from __future__ import annotations
@@ -123,6 +128,12 @@ def main() -> None:
             print(f"  concurrency {level}: done", file=sys.stderr)
         api_rows, sent = translation_cost(stub, f"http://127.0.0.1:{rlp_port}/v1", args)
         sent_to_rlp += sent
+        plain_port = free_port()
+        with process([py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(work / "messages.db"),
+                      "--port", str(plain_port), "--messages-mode"],
+                     f"http://127.0.0.1:{plain_port}/healthz", work / "messages-mode.log"):  # fmt: skip
+            token_in = token_in_cost(f"http://127.0.0.1:{rlp_port}/v1", f"http://127.0.0.1:{plain_port}/v1", args)
+        sent_to_rlp += token_in.pop("sent")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
     print(f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
           f"{args.rounds} interleaved rounds)\n")  # fmt: skip
@@ -138,6 +149,11 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for api, mode, direct, median, high in api_rows:
         print(f"| {api} | {mode} | {direct:.1f} | {median:.2f} | {high:.2f} |")
+    print(f"\nA continuation call's latency with token-in against messages mode, ms ({args.api_level} concurrent "
+          f"3-turn sessions, stub upstream, {args.rounds} interleaved rounds)\n")  # fmt: skip
+    print("| token-in median | messages mode median | added median |")
+    print("|---:|---:|---:|")
+    print(f"| {token_in['token-in']:.2f} | {token_in['messages']:.2f} | {token_in['added']:.2f} |")
     print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
     if recorded != sent_to_rlp:
         sys.exit("calls were lost")
@@ -170,6 +186,41 @@ def translation_cost(stub: str, rlp: str, args: argparse.Namespace) -> tuple[lis
             rows.append((path, mode, statistics.median(direct), statistics.median(values), p99(values)))
         print(f"  translation, {mode}: done", file=sys.stderr)
     return rows, sent
+
+
+async def sessions(url: str, concurrency: int, count: int, tag: str) -> list[float]:
+    """`count` 3-turn sessions from `concurrency` workers; the latency of each continuation call, ms."""
+    latencies: list[float] = []
+    todo = iter(range(count))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def worker() -> None:
+            for n in todo:
+                messages = [{"role": "user", "content": ASK}]
+                for turn in range(3):
+                    start = time.perf_counter()
+                    body = {**BODY, "messages": messages}
+                    async with session.post(f"{url}/chat/completions", json=body,
+                                            headers={"Authorization": f"Bearer {tag}-{n}"}) as resp:  # fmt: skip
+                        answer = await resp.json()
+                    if turn:
+                        latencies.append((time.perf_counter() - start) * 1000)
+                    messages = [*messages, answer["choices"][0]["message"], {"role": "user", "content": "And?"}]
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies
+
+
+def token_in_cost(token_in: str, messages_mode: str, args: argparse.Namespace) -> dict[str, float]:
+    level = args.api_level
+    count = max(level * 2, int(args.seconds * level / args.latency / 3))
+    got: dict[str, list[float]] = {"token-in": [], "messages": []}
+    for round_ in range(args.rounds):
+        for name, url in (("token-in", token_in), ("messages", messages_mode)):
+            got[name] += asyncio.run(sessions(url, level, count, f"bench-ti-{name}-{round_}"))
+    print("  token-in: done", file=sys.stderr)
+    medians = {name: statistics.median(values) for name, values in got.items()}
+    return {**medians, "added": medians["token-in"] - medians["messages"], "sent": 3 * count * args.rounds}
 
 
 if __name__ == "__main__":

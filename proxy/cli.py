@@ -41,6 +41,7 @@ def serve(
     admin_token: Annotated[str | None, typer.Option(help=_about("admin_token"))] = None,
     max_model_len: Annotated[int | None, typer.Option(help=_about("max_model_len"))] = None,
     reject_unknown_sessions: Annotated[bool, typer.Option(help="refuse keys not created through /admin")] = False,
+    messages_mode: Annotated[bool, typer.Option(help=_about("messages_mode"))] = False,
 ) -> None:
     """Run the recording proxy, in front of an upstream or of a vLLM it launches and supervises."""
     if upstream and model:
@@ -48,6 +49,7 @@ def serve(
     settings = _settings(
         upstream=upstream, model=model, db=db, host=host, port=port, admin_token=admin_token,
         max_model_len=max_model_len, create_sessions=False if reject_unknown_sessions else None,
+        messages_mode=messages_mode or None,
     )  # fmt: skip
     if settings.host not in LOOPBACK and not settings.admin_token:
         raise typer.BadParameter("binding off loopback needs --admin-token (or RLP_ADMIN_TOKEN)")
