@@ -91,7 +91,8 @@ def test_export_force_replaces_only_an_export(db: str, tmp_path: Path) -> None:
 
 
 def test_serve_refuses_open_admin_off_loopback() -> None:
-    result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:1/v1", "--host", "0.0.0.0", "--messages-mode"])
+    given = ["--upstream", "http://127.0.0.1:1/v1", "--host", "0.0.0.0", "--messages-mode"]
+    result = runner.invoke(app, ["serve", *given])
     assert result.exit_code != 0 and "admin-token" in result.output and "No such option" not in result.output
 
 
