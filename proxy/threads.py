@@ -12,9 +12,10 @@ calls, strip thinking) and however a sampled text would re-tokenize.
 The bridge needs no per-model code: the upstream renders the whole new request (`/tokenize`) and
 the bridge is what follows the end-of-turn token that closes the echoed answer. That is the n-th
 end-of-turn token of the rendering, n being how many the thread's own tokens hold (one more if
-its answer was cut before sampling one). The end-of-turn token is learnt from the first answer
-that ends with one. The ids go to vLLM's Chat Completions as `kv_transfer_params.prompt_token_ids`,
-so the answer is parsed (tool calls, reasoning) and shaped as before.
+its answer was cut before sampling one). The end-of-turn token is found once per model and
+template, from two renderings of a short exchange that differ only in the answer's text. The ids
+go to vLLM's Chat Completions as `kv_transfer_params.prompt_token_ids`, so the answer is parsed
+(tool calls, reasoning) and shaped as before.
 
 Anything else starts a new thread, and the call records why (`thread_start`): the first call,
 edited history, a compaction, another system prompt or tools, an answer not echoed as sampled,
@@ -110,16 +111,11 @@ class Threads:
     def __init__(self, sessions: int = SESSIONS) -> None:
         self._by_session: OrderedDict[str, list[Thread]] = OrderedDict()
         self._sessions = sessions
-        self.end_of_turn: dict[str, int] = {}  # served model: its end-of-turn token id
+        self.end_of_turn: dict[bytes, int | str] = {}  # a model and template: its end-of-turn token (or why none)
         self.unrendering: set[str] = set()  # upstreams without /tokenize
 
     def add(self, session_id: str, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]) -> None:
         """A recorded call of the session: `body` as sent upstream, its prompt ids and answers."""
-        model = str(body.get("model"))
-        if model not in self.end_of_turn and not body.get("stop") and not body.get("stop_token_ids"):
-            ended = [a.sampled[-1] for a in answers if a.finish_reason == "stop" and a.sampled]
-            if ended:  # no stop string asked for: what ended the answer is the end-of-turn token
-                self.end_of_turn[model] = ended[0]
         messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
         thread = Thread(messages, tools_key(body), array("i", prompt_ids), answers)
         threads = self._by_session.setdefault(session_id, [])
@@ -148,6 +144,12 @@ class Threads:
             why = f"message {n + 1} is not the assistant answer sampled there"
         return why
 
+    def _unrendered(self, upstream: Upstream, why: str) -> Plan:
+        if why == NO_RENDERING and upstream.base_url not in self.unrendering:  # found out once
+            log.warning("upstream %s: %s; calls are sent as messages", upstream.base_url, why)
+            self.unrendering.add(upstream.base_url)
+        return Plan(None, why)
+
     async def plan(self, upstream: Upstream, session_id: str, body: dict[str, Any]) -> Plan:
         """Token-in for a chat body bound for `upstream`: its prompt ids, or why it starts a thread."""
         messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
@@ -155,21 +157,22 @@ class Threads:
         if isinstance(found, str):
             return Plan(None, found)
         thread, answer = found
-        model = str(body.get("model"))
-        eot = self.end_of_turn.get(model)
+        if upstream.base_url in self.unrendering:
+            return Plan(None, NO_RENDERING)
+        template = tools_key({**body, "tools": None}) + str(body.get("model")).encode()
+        eot = self.end_of_turn.get(template)
         if eot is None:
-            return Plan(None, "the model's end-of-turn token is not known yet")
+            eot = await end_of_turn(upstream, body)
+            if isinstance(eot, int) or eot == NO_END_OF_TURN:  # not a passing failure: kept
+                self.end_of_turn[template] = eot
+        if isinstance(eot, str):
+            return self._unrendered(upstream, eot)
         sequence = thread.prompt_ids.tolist() + answer.sampled
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
         n = sequence.count(eot) + (0 if closed else 1)
-        if upstream.base_url in self.unrendering:
-            return Plan(None, NO_RENDERING)
         rendered = await render(upstream, body)
         if isinstance(rendered, str):
-            if rendered == NO_RENDERING:  # found out once, not on every call
-                log.warning("upstream %s: %s; calls are sent as messages", upstream.base_url, rendered)
-                self.unrendering.add(upstream.base_url)
-            return Plan(None, rendered)
+            return self._unrendered(upstream, rendered)
         ends = [i for i, t in enumerate(rendered) if t == eot]
         if len(ends) <= n - 1 or ends[n - 1] == len(rendered) - 1:
             return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
@@ -178,13 +181,14 @@ class Threads:
 
 
 NO_RENDERING = "the upstream has no /tokenize to render requests with (token-in needs it)"
+NO_END_OF_TURN = "the chat template closes no assistant turn with a token of its own"
 
 
-async def render(upstream: Upstream, body: dict[str, Any]) -> list[int] | str:
+async def render(upstream: Upstream, body: dict[str, Any], generation: bool = True) -> list[int] | str:
     """The prompt ids of a chat body as the upstream's template renders them, or why not."""
     fields = {k: body[k] for k in ("model", "messages", *TEMPLATE_FIELDS) if body.get(k) is not None}
     try:
-        resp = await upstream.send("POST", "/tokenize", {**fields, "add_generation_prompt": True}, at_root=True)
+        resp = await upstream.send("POST", "/tokenize", {**fields, "add_generation_prompt": generation}, at_root=True)
         data = orjson.loads(await upstream.read(resp))
     except Exception as exc:  # any failure only means no token-in for this call
         return f"the upstream could not render the request: {exc}"
@@ -192,3 +196,20 @@ async def render(upstream: Upstream, body: dict[str, Any]) -> list[int] | str:
         return NO_RENDERING
     tokens = data.get("tokens") if isinstance(data, dict) else None
     return tokens if resp.ok and isinstance(tokens, list) else f"/tokenize answered {resp.status}"
+
+
+async def end_of_turn(upstream: Upstream, body: dict[str, Any]) -> int | str:
+    """The token the template closes an assistant turn with, or why it was not found: two
+    renderings that differ only in an answer's text ("yes", "no") agree again from that token on."""
+    rendered = []
+    for text in ("yes", "no"):
+        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": text}]
+        tokens = await render(upstream, {**body, "messages": messages}, generation=False)
+        if isinstance(tokens, str):
+            return tokens
+        rendered.append(tokens)
+    a, b = rendered
+    same = next((k for k in range(min(len(a), len(b))) if a[-1 - k] != b[-1 - k]), None)
+    if not same:  # nothing after the answer, or no difference at all
+        return NO_END_OF_TURN
+    return a[len(a) - same]

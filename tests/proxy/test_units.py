@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from proxy.capture import Capture, client_view
@@ -166,12 +167,13 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
     prompt = [1, 50, 51, E, NL, A]
     rendered = [1, 50, 51, E, NL, A, 90, 91, E, NL, 60, 61, E, NL, A]  # answer re-rendered as 90 91
     monkeypatch.setattr("proxy.threads.render", lambda upstream, body: _returns(rendered))
+    monkeypatch.setattr("proxy.threads.end_of_turn", lambda upstream, body: _returns(E))
+    upstream: Any = SimpleNamespace(base_url="http://upstream/v1")  # only rendered through the patches
     for sampled, finish, expected in (
         ([80, 81, E], "stop", [*prompt, 80, 81, E, NL, 60, 61, E, NL, A]),  # sampled, then the bridge
         ([80, 81], "length", [*prompt, 80, 81, E, NL, 60, 61, E, NL, A]),
     ):
         threads = Threads()
-        threads.end_of_turn["m"] = E
         threads.add(
             "s",
             {"model": "m", "messages": ask},
@@ -182,14 +184,14 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
             "model": "m",
             "messages": [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
         }
-        assert await threads.plan(None, "s", follow) == Plan(expected, None)  # type: ignore[arg-type]
+        assert await threads.plan(upstream, "s", follow) == Plan(expected, None)
         other = {
             **follow,
             "messages": [*ask, {"role": "assistant", "content": "not ok"}, {"role": "user", "content": "more"}],
         }
-        assert (await threads.plan(None, "s", other)).why == "message 2 is not the assistant answer sampled there"  # type: ignore[arg-type]
+        assert (await threads.plan(upstream, "s", other)).why == "message 2 is not the assistant answer sampled there"
         tools = {**follow, "tools": [{"type": "function", "function": {"name": "f"}}]}
-        assert (await threads.plan(None, "s", tools)).why == "the tools or the chat template changed"  # type: ignore[arg-type]
+        assert (await threads.plan(upstream, "s", tools)).why == "the tools or the chat template changed"
 
 
 async def _returns(value: Any) -> Any:
