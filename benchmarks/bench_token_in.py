@@ -26,12 +26,15 @@ from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import CallRecord, Store
 from recorder.trajectories import build_sequences
-from tests.support.sessions import anthropic_session, text_session, think_session, tool_session
+from tests.support.sessions import anthropic_session, responses_session, text_session, think_session, tool_session
 
 FAMILIES: dict[str, Callable[[str, str, str], None]] = {
     "openai SDK, forced tool calls (3 calls)": lambda url, key, model: tool_session(f"{url}/v1", key, model),
     "openai SDK, tool calls streamed (3 calls)": lambda url, key, model: tool_session(f"{url}/v1", key, model, True),
     "anthropic SDK, tool_use round trip (2 calls)": anthropic_session,
+    "Responses, function call by previous_response_id (3 calls)": lambda url, key, model: responses_session(
+        f"{url}/v1", key, model
+    ),
     "plain text at temperature 1 (4 calls)": lambda url, key, model: text_session(f"{url}/v1", key, model),
     "template stripping earlier <think> (4 calls)": lambda url, key, model: think_session(f"{url}/v1", key, model),
 }

@@ -11,7 +11,7 @@ from openai import OpenAI
 
 from recorder import CallRecord
 from recorder.trajectories import build_sequences
-from tests.support.sessions import anthropic_session, think_session, tool_session
+from tests.support.sessions import anthropic_session, responses_session, think_session, tool_session
 from tests.support.stack import Upstream
 
 pytestmark = pytest.mark.vllm
@@ -48,6 +48,12 @@ def test_an_anthropic_tool_use_round_trip_is_one_sequence(make_proxy: Any, vllm:
     proxy = make_proxy(vllm.url)
     anthropic_session(proxy.url, "ti-claude", vllm.model)
     assert_one_exact_sequence(proxy.calls("ti-claude"))
+
+
+def test_a_responses_function_call_chain_is_one_sequence(make_proxy: Any, vllm: Upstream) -> None:
+    proxy = make_proxy(vllm.url)
+    responses_session(proxy.v1, "ti-responses", vllm.model)
+    assert_one_exact_sequence(proxy.calls("ti-responses"))
 
 
 def test_an_edited_history_starts_a_new_thread_and_says_why(make_proxy: Any, vllm: Upstream) -> None:

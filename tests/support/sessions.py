@@ -47,6 +47,23 @@ def anthropic_session(url: str, key: str, model: str) -> None:
     claude.messages.create(max_tokens=12, messages=follow, **greedy)
 
 
+def responses_session(url: str, key: str, model: str) -> None:
+    """A forced function call through the Responses API, its output sent with
+    `previous_response_id`, then one more turn the same way."""
+    client = OpenAI(base_url=url, api_key=key, max_retries=0)
+    tool = {"type": "function", "name": "add", "description": "Add two integers.",
+            "parameters": ADD_TOOL["function"]["parameters"]}  # fmt: skip
+    first = client.responses.create(model=model, input="Use the add tool to add 2 and 3.", tools=[tool],  # type: ignore[list-item]
+                                    tool_choice={"type": "function", "name": "add"}, max_output_tokens=80,
+                                    temperature=0)  # fmt: skip
+    [called] = [item for item in first.output if item.type == "function_call"]
+    result = {"type": "function_call_output", "call_id": called.call_id, "output": "5"}
+    second = client.responses.create(model=model, previous_response_id=first.id, input=[result], tools=[tool],  # type: ignore[list-item]
+                                     max_output_tokens=16, temperature=0)  # fmt: skip
+    client.responses.create(model=model, previous_response_id=second.id, input="And 4 more?", tools=[tool],  # type: ignore[list-item]
+                            max_output_tokens=16, temperature=0)  # fmt: skip
+
+
 def text_session(url: str, key: str, model: str, turns: int = 4) -> None:
     """Plain multi-turn chat at temperature 1."""
     client = OpenAI(base_url=url, api_key=key, max_retries=0)
