@@ -34,7 +34,7 @@ from proxy.errors import (
 from proxy.sessions import parse_key, request_key
 from proxy.settings import Settings
 from proxy.state import ProxyState
-from proxy.threads import Answer
+from proxy.threads import Answer, Plan
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.store import SessionConflict, utcnow
@@ -152,8 +152,15 @@ class Call:
         if settings.messages_mode or not settings.upstream_token_ids:
             return
         self.chat_body = body
-        plan = await self.state.threads.plan(self.upstream, self.session.id, body)
-        self.prompt_ids, self.thread_start = plan.prompt_ids, plan.why
+        try:
+            plan = await self.state.threads.plan(self.upstream, self.session.id, body)
+        except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
+            log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
+            plan = Plan(None, f"token-in could not read the request: {exc!r}")
+        context = self.upstream.models.get(str(body.get("model")))
+        if plan.prompt_ids is not None and context and len(plan.prompt_ids) >= context:
+            plan = Plan(None, f"the token-in prompt ({len(plan.prompt_ids)} tokens) fills the context")
+        self.prompt_ids, self.thread_start = plan.prompt_ids, plan.why and plan.why[:256]  # the column's width
         if plan.prompt_ids is not None:
             body["kv_transfer_params"] = {"prompt_token_ids": plan.prompt_ids}
 

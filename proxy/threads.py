@@ -24,6 +24,8 @@ a rendering whose end-of-turn tokens do not line up.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import re
 from array import array
@@ -40,6 +42,7 @@ log = logging.getLogger("rl_proxy.threads")
 THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 THREADS_PER_SESSION = 4  # a harness may fork: retries, sub-agents, n > 1
 SESSIONS = 2_000  # sessions whose threads are kept: at most 8,000 prompts of 4 bytes a token
+RENDER_TIMEOUT = 10.0  # seconds a rendering may take before the call goes as messages
 
 
 def _text(content: Any) -> str:
@@ -81,9 +84,13 @@ class Answer:
     finish_reason: str | None
 
 
+def digest(message: tuple[Any, ...]) -> bytes:
+    return hashlib.blake2b(repr(message).encode(), digest_size=16).digest()
+
+
 @dataclass(frozen=True)
 class Thread:
-    messages: list[tuple[Any, ...]]  # norm() of each message of the call's request
+    messages: list[bytes]  # digest(norm()) of each message of the call's request
     tools: bytes  # the request's tools, canonical
     prompt_ids: array[int]  # 4 bytes a token
     answers: list[Answer]
@@ -116,7 +123,7 @@ class Threads:
 
     def add(self, session_id: str, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]) -> None:
         """A recorded call of the session: `body` as sent upstream, its prompt ids and answers."""
-        messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
+        messages = [digest(norm(m)) for m in body.get("messages") or [] if isinstance(m, dict)]
         thread = Thread(messages, tools_key(body), array("i", prompt_ids), answers)
         threads = self._by_session.setdefault(session_id, [])
         threads.append(thread)
@@ -133,7 +140,7 @@ class Threads:
         why = "the conversation is not a continuation of an earlier call's"
         for thread in sorted(threads, key=lambda t: -len(t.messages)):
             n = len(thread.messages)
-            if len(messages) <= n + 1 or messages[:n] != thread.messages:
+            if len(messages) <= n + 1 or [digest(m) for m in messages[:n]] != thread.messages:
                 continue
             if thread.tools != tools:
                 why = "the tools or the chat template changed"
@@ -167,12 +174,21 @@ class Threads:
                 self.end_of_turn[template] = eot
         if isinstance(eot, str):
             return self._unrendered(upstream, eot)
+        if eot in answer.sampled[:-1]:
+            return Plan(None, f"the answer holds the end-of-turn token {eot} before its end")
         sequence = thread.prompt_ids.tolist() + answer.sampled
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
         n = sequence.count(eot) + (0 if closed else 1)
-        rendered = await render(upstream, body)
-        if isinstance(rendered, str):
-            return self._unrendered(upstream, rendered)
+        # The whole request, and (to check the count) the history up to the echoed answer alone.
+        echoed = {**body, "messages": [m for m in body["messages"] if isinstance(m, dict)][: len(thread.messages) + 1]}
+        rendered, history = await asyncio.gather(render(upstream, body), render(upstream, echoed, generation=False))
+        for got in (rendered, history):
+            if isinstance(got, str):
+                return self._unrendered(upstream, got)
+        assert isinstance(rendered, list) and isinstance(history, list)
+        if history.count(eot) != n:
+            return Plan(None, f"the template renders the conversation with {history.count(eot)} end-of-turn tokens "
+                              f"up to the echoed answer, its tokens hold {n}")  # fmt: skip
         ends = [i for i, t in enumerate(rendered) if t == eot]
         if len(ends) <= n - 1 or ends[n - 1] == len(rendered) - 1:
             return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
@@ -188,11 +204,14 @@ async def render(upstream: Upstream, body: dict[str, Any], generation: bool = Tr
     """The prompt ids of a chat body as the upstream's template renders them, or why not."""
     fields = {k: body[k] for k in ("model", "messages", *TEMPLATE_FIELDS) if body.get(k) is not None}
     try:
-        resp = await upstream.send("POST", "/tokenize", {**fields, "add_generation_prompt": generation}, at_root=True)
-        data = orjson.loads(await upstream.read(resp))
+        async with asyncio.timeout(RENDER_TIMEOUT):
+            resp = await upstream.send(
+                "POST", "/tokenize", {**fields, "add_generation_prompt": generation}, at_root=True
+            )
+            data = orjson.loads(await upstream.read(resp))
     except Exception as exc:  # any failure only means no token-in for this call
-        return f"the upstream could not render the request: {exc}"
-    if resp.status in (404, 405):
+        return f"the upstream could not render the request: {exc!r}"[:200]
+    if data in ({"detail": "Not Found"}, {"detail": "Method Not Allowed"}):  # no such route (not: no such model)
         return NO_RENDERING
     tokens = data.get("tokens") if isinstance(data, dict) else None
     return tokens if resp.ok and isinstance(tokens, list) else f"/tokenize answered {resp.status}"

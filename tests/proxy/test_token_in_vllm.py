@@ -12,7 +12,7 @@ from openai import OpenAI
 from recorder import CallRecord
 from recorder.trajectories import build_sequences
 from tests.support.sessions import anthropic_session, responses_session, think_session, tool_session
-from tests.support.stack import Upstream
+from tests.support.stack import Upstream, direct_chat
 
 pytestmark = pytest.mark.vllm
 
@@ -80,3 +80,24 @@ def test_a_template_that_strips_earlier_thinking_still_gives_one_sequence(make_p
     think_session(messages_mode.v1, "ti-think", vllm.model)
     assert_one_exact_sequence(token_in.calls("ti-think"))
     assert len(build_sequences(messages_mode.calls("ti-think")).sequences) == 4
+
+
+def test_on_text_the_bridge_is_what_the_template_renders(make_proxy: Any, vllm: Upstream) -> None:
+    """SmolLM2's template is append-only on plain text: there a token-in prompt must be exactly
+    vLLM's own rendering of the whole conversation (when the answer re-tokenizes as sampled),
+    which checks the bridge's content and not only that it extends the thread."""
+    proxy = make_proxy(vllm.url)
+    client = OpenAI(base_url=proxy.v1, api_key="ti-text", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3? Answer with one number."}]
+    for ask in ("And 4 + 4?", "And 1 + 1?"):
+        reply = client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=30, temperature=0)
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": ask},
+        ]
+    client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=30, temperature=0)
+    calls = proxy.calls("ti-text")
+    assert [c.token_in for c in calls] == [False, True, True]
+    for n, call in ((3, calls[1]), (5, calls[2])):
+        rendered = direct_chat(vllm, messages=messages[:n], max_tokens=1, temperature=0)["prompt_token_ids"]
+        assert call.prompt_token_ids == rendered
