@@ -105,6 +105,8 @@ class Plan:
 
 
 TEMPLATE_FIELDS = ("tools", "chat_template", "chat_template_kwargs")  # what renders a chat besides its messages
+# What vLLM's chat route also hands its template; a request with any of them goes as messages.
+UNRENDERED_FIELDS = ("reasoning_effort", "continue_final_message", "documents")
 
 
 def tools_key(body: dict[str, Any]) -> bytes:
@@ -164,6 +166,9 @@ class Threads:
         if isinstance(found, str):
             return Plan(None, found)
         thread, answer = found
+        unrendered = [k for k in UNRENDERED_FIELDS if body.get(k) not in (None, False)]
+        if unrendered:  # they change the rendering, and /tokenize is not given them yet
+            return Plan(None, f"the request sets {', '.join(unrendered)}, which token-in does not render yet")
         if upstream.base_url in self.unrendering:
             return Plan(None, NO_RENDERING)
         template = tools_key({**body, "tools": None}) + str(body.get("model")).encode()

@@ -34,3 +34,17 @@ def test_messages_mode_sends_the_messages_as_they_are(make_proxy: Any, stub: str
         httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": sent}).raise_for_status()
     assert [c.prompt_token_ids for c in proxy.calls()] == [render(messages[:1]), render(messages)]
     assert not any(c.token_in or c.thread_start for c in proxy.calls())
+
+
+def test_a_request_with_template_inputs_token_in_cannot_render_goes_as_messages(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    for extra in ({}, {"reasoning_effort": "low"}):
+        httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": messages, **extra},
+                   headers={"x-api-key": "s-effort"}).raise_for_status()  # fmt: skip
+        messages += [{"role": "assistant", "content": "stub answer"}, {"role": "user", "content": "more"}]
+    _, second = proxy.calls("s-effort")
+    assert (
+        not second.token_in
+        and second.thread_start == "the request sets reasoning_effort, which token-in does not render yet"
+    )
