@@ -121,8 +121,9 @@ class Capture:
 
     def messages(self) -> dict[int, dict[str, Any]]:
         """Each choice's chat answer message, whole or assembled from the stream."""
-        assembled = {c["index"]: c.get("message") or {} for c in self.assembled(True)["choices"]}
-        return {i: c.message if c.message is not None else assembled[i] for i, c in self.choices.items()}
+        if all(c.message is not None for c in self.choices.values()):  # a whole answer: nothing to assemble
+            return {i: c.message for i, c in self.choices.items() if c.message is not None}
+        return {c["index"]: c.get("message") or {} for c in self.assembled(True)["choices"]}
 
     def completions(self) -> list[Completion]:
         return [Completion(i, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(self.choices.items())]
