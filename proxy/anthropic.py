@@ -2,16 +2,17 @@
 
 vLLM's own `/v1/messages` returns no token ids, so a Messages request is translated to Chat
 Completions with litellm's in-process adapter (no network), sent upstream like any chat call
-(prompt ids, sampled ids and logprobs captured), and the answer translated back: one message, or
-Anthropic's whole SSE event sequence (message_start, content_block_start/delta/stop,
-message_delta, message_stop) for a stream. The call is recorded with the request and the answer
-in Anthropic's shape. Errors answer in Anthropic's error shape (see errors.py).
+(prompt ids, sampled ids and logprobs captured), and the answer translated back: one message by
+litellm, or Anthropic's SSE event sequence (message_start, content_block_start/delta/stop,
+message_delta, message_stop) for a stream, written chunk by chunk by `_MessageEvents`. The call is
+recorded with the request and the answer in Anthropic's shape. Errors answer in Anthropic's error shape (see errors.py).
 Model names and completion limits are fitted to the backend in forwarding.fit_to_backend.
 """
 
 from __future__ import annotations
 
 import copy
+import uuid
 from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
@@ -22,11 +23,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import Capture, nothing_to_translate, reasoning_for_litellm
+from proxy.capture import REASONING, Capture, reasoning_for_litellm
 from proxy.errors import BadRequest, anthropic_error_body, json_response
 from proxy.forwarding import (
     Call,
-    StreamBroken,
     UpstreamError,
     ask_for_tokens,
     check_types,
@@ -130,90 +130,122 @@ async def messages(request: Request) -> Response:
     return json_response(await call.finish(data, resp.status, lambda d: to_message(d, tool_map)))
 
 
-class _HeldArguments:
-    """Tool calls of a streamed Messages answer, made whole for the client. vLLM names a call's id
-    in its first delta only, and litellm gives every later delta without one a fresh id (a new,
-    nameless tool_use block): every delta gets its call's id. A call's arguments are held back and
-    sent whole, as a JSON object (`object_arguments`), before anything else follows it (the next
-    call, text, the finish): a client parses the partial JSON as it comes and fails on arguments
-    that are not an object, and litellm closes a call's block when the next one starts."""
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
-    def __init__(self) -> None:
-        self.ids: dict[int, str] = {}
-        self.held: dict[int, str] = {}  # the open call's arguments so far
 
-    def pieces(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chunks to translate for one upstream chunk (a Messages answer has one choice)."""
-        if not chunk.get("choices"):
-            return [chunk]  # usage
-        [choice] = chunk["choices"]
-        head = {k: v for k, v in chunk.items() if k not in ("choices", "usage")}
-        delta = dict(choice.get("delta") or {})
-        calls = delta.pop("tool_calls", None) or []
-        out: list[dict[str, Any]] = []
+def _sse(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
 
-        def piece(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {**head, "choices": [{"index": choice.get("index", 0), "delta": delta, "finish_reason": finish}]}
 
-        for call in calls:
-            i, function = call.get("index", 0), call.get("function") or {}
-            if i not in self.ids:  # a new call: the one before it is complete
-                out += [piece(d) for d in self._flush()]
-                self.ids[i] = call.get("id") or f"toolu_{i}"
-                opened = {"index": i, "id": self.ids[i], "type": "function", "function": {"name": function.get("name")}}
-                out.append(piece({"tool_calls": [opened]}))
-            self.held[i] = self.held.get(i, "") + (function.get("arguments") or "")
-        finish = choice.get("finish_reason")
-        if finish and self.ids and finish == "stop":  # as in to_message: vLLM says "stop" after a forced call
-            finish = "tool_calls"
-        if finish or any(delta.get(k) for k in ("content", "reasoning_content")) or (delta and not calls):
-            out += [piece(d) for d in self._flush()]
-            out.append(piece(delta, finish))
+class _MessageEvents:
+    """Anthropic's stream events for a streamed chat answer, written straight from its chunks:
+    message_start; a content block for each run of thinking, of text, and for each tool call
+    (content_block_start, deltas, content_block_stop); message_delta with the stop reason and
+    usage; message_stop. A tool call's arguments are held back and sent whole, as a JSON object
+    (`object_arguments`), when its block closes: a client parses the partial JSON as it comes
+    and fails on arguments that are not an object."""
+
+    def __init__(self, model: str, tool_map: dict[str, str]) -> None:
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.model, self.tool_map = model, tool_map
+        self.started = False
+        self.index = -1  # of the newest block
+        self.open: str | None = None  # the open block: "text", "thinking" or "tool"
+        self.arguments: dict[int, list[str]] = {}  # each tool call's, by its index in the stream
+        self.tool = 0  # the index of the newest tool call
+        self.finish: str | None = None
+        self.usage: dict[str, Any] = {}
+
+    def add(self, chunk: dict[str, Any]) -> list[bytes]:
+        out = self._start()
         if chunk.get("usage"):
-            out.append({**head, "choices": [], "usage": chunk["usage"]})
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:  # a Messages answer has one
+            delta = choice.get("delta") or {}
+            thinking = next((delta[k] for k in REASONING if delta.get(k)), None)
+            if thinking:
+                out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
+            if delta.get("content"):
+                out += self._block("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or []:
+                i, function = call.get("index", 0), call.get("function") or {}
+                if i not in self.arguments:
+                    name = function.get("name") or ""
+                    block: dict[str, Any] = {"type": "tool_use", "id": call.get("id") or f"toolu_{i}",
+                             "name": self.tool_map.get(name, name), "input": {}}  # fmt: skip
+                    out += self._block("tool", block, new=True)
+                    self.arguments[i], self.tool = [], i
+                self.arguments[i].append(function.get("arguments") or "")
+            self.finish = choice.get("finish_reason") or self.finish
         return out
 
-    def _flush(self) -> list[dict[str, Any]]:
-        done = [{"tool_calls": [{"index": i, "id": self.ids[i], "function": {"arguments": object_arguments(args)}}]}
-                for i, args in self.held.items()]  # fmt: skip
-        self.held.clear()
-        return done
+    def end(self) -> list[bytes]:
+        out = self._start()
+        if self.index < 0:
+            out += self._block("text", {"type": "text", "text": ""})  # an empty answer: one empty text block
+        out += self._close()
+        stop = STOP_REASONS.get(self.finish or "stop", "end_turn")
+        if self.arguments and stop == "end_turn":  # as in to_message: vLLM says "stop" after a forced call
+            stop = "tool_use"
+        usage = {"input_tokens": self.usage.get("prompt_tokens", 0),
+                 "output_tokens": self.usage.get("completion_tokens", 0)}  # fmt: skip
+        out.append(_sse("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": usage}))
+        return [*out, _sse("message_stop", {})]
+
+    def _start(self) -> list[bytes]:
+        if self.started:
+            return []
+        self.started = True
+        message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "content": [],
+                                   "model": self.model, "stop_reason": None, "stop_sequence": None,
+                                   "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
+        return [_sse("message_start", {"message": message})]
+
+    def _block(self, kind: str, block: dict[str, Any], new: bool = False) -> list[bytes]:
+        if self.open == kind and not new:
+            return []
+        out = self._close()
+        self.index, self.open = self.index + 1, kind
+        return [*out, _sse("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _sse("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        out = []
+        if self.open == "tool":
+            whole = object_arguments("".join(self.arguments[self.tool]))
+            out.append(self._delta({"type": "input_json_delta", "partial_json": whole}))
+        self.open = None
+        return [*out, _sse("content_block_stop", {"index": self.index})]
 
 
 def _relay(
     call: Call, resp: aiohttp.ClientResponse, data: Any, tool_map: dict[str, str], model: str
 ) -> AsyncIterator[bytes]:
-    """Anthropic SSE events translated from the upstream's chunks; message_stop reaches the
-    client once the call is recorded."""
-    from litellm.types.utils import ModelResponseStream
-
+    """Anthropic SSE events from the upstream's chunks; message_stop reaches the client once the
+    call is recorded."""
     capture = Capture()
-    broken: list[str] = []  # litellm's translator ends the stream on an error instead of raising it
-    calls = _HeldArguments()
+    events = _MessageEvents(model, tool_map)
 
-    async def chunks() -> AsyncIterator[Any]:
-        try:
-            async for chunk in upstream_chunks(resp, data):
-                capture.add_chunk(chunk)
-                if nothing_to_translate(capture, chunk):
-                    continue  # recorded, but nothing for the client
-                for piece in calls.pieces(reasoning_for_litellm(chunk)):
-                    yield ModelResponseStream(**piece)
-        except StreamBroken as exc:
-            broken.append(str(exc))
-            raise
-        except Exception as exc:  # litellm's translator would turn it into its own event, unrecorded
-            broken.append(f"the stream could not be relayed: {exc!r}")
-            raise
+    async def translated() -> AsyncIterator[bytes]:
+        async for chunk in upstream_chunks(resp, data):
+            capture.add_chunk(chunk)
+            for event in events.add(chunk):
+                yield event
+        for event in events.end():
+            yield event
 
     def failed(message: str, kind: str, _answer: Any) -> bytes:
         return b"event: error\ndata: " + orjson.dumps(anthropic_error_body(502, message)) + b"\n\n"
 
-    events = _adapter().translate_completion_output_params_streaming(chunks(), model=model, tool_name_mapping=tool_map)
     return relay(
-        call, resp, capture, events, held=lambda event: event.startswith(b"event: message_stop\n"),
-        answer=lambda: to_message(capture.assembled(True), tool_map), failed=failed,
-        ended=lambda: broken[0] if broken else None,
+        call, resp, capture, translated(), held=lambda event: event.startswith(b"event: message_stop\n"),
+        answer=lambda: {**to_message(capture.assembled(True), tool_map), "id": events.id}, failed=failed,
     )  # fmt: skip
 
 

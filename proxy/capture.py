@@ -175,18 +175,6 @@ def as_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
-def carries_output(chunk: dict[str, Any]) -> bool:
-    """Whether a stream chunk has anything for the client: text, reasoning, a tool call, a
-    finish or usage."""
-    if chunk.get("usage"):
-        return True
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if choice.get("finish_reason") or any(delta.get(k) for k in ("content", "tool_calls", *REASONING)):
-            return True
-    return False
-
-
 def reasoning_for_litellm(body: dict[str, Any]) -> dict[str, Any]:
     """Rename (in place) vLLM's `reasoning` to the `reasoning_content` that litellm's
     translators read, in a chunk's deltas or an answer's messages; return the body."""
@@ -195,17 +183,6 @@ def reasoning_for_litellm(body: dict[str, Any]) -> dict[str, Any]:
             if isinstance(part, dict) and part.get("reasoning") and not part.get("reasoning_content"):
                 part["reasoning_content"] = part.pop("reasoning")
     return body
-
-
-def nothing_to_translate(capture: Capture, chunk: dict[str, Any]) -> bool:
-    """A chunk (already captured) that a translating route skips: one with neither choices nor
-    usage, or one with only the token ids vLLM's tool parser sends while it holds text back,
-    which must not become empty blocks or items. The first chunk of a choice goes through: it
-    opens the answer."""
-    if not chunk.get("choices"):
-        return not chunk.get("usage")
-    first = capture.choices.get(0)
-    return not carries_output(chunk) and first is not None and len(first.token_ids) > 0
 
 
 def client_view(body: dict[str, Any], keep_tokens: bool, keep_logprobs: bool) -> dict[str, Any]:

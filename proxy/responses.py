@@ -2,10 +2,11 @@
 
 Like Messages (anthropic.py), a Responses request is translated to Chat Completions in process
 by litellm, sent upstream as a chat call (prompt ids, sampled ids and logprobs captured), and the
-answer translated back: one response object, or the event stream (response.created,
+answer translated back: one response object by litellm, or the event stream (response.created,
 response.in_progress, output_item/content_part/output_text or function_call_arguments events,
-response.completed). The call is recorded with the request and the response as the client
-sent and saw them, and the response's id.
+response.completed), written chunk by chunk by `_ResponseEvents` (litellm's stream iterator
+built several pydantic objects per chunk: 8x the cost of a chat stream). The call is
+recorded with the request and the response as the client sent and saw them, and the response's id.
 
 `previous_response_id` is resolved from the store, so it survives a restart: the conversation
 is the earlier request's input and its response's output, back along the chain, then the new
@@ -16,6 +17,7 @@ that a chain of n turns costs n lookups rather than n queries.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -28,7 +30,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import Capture, nothing_to_translate, reasoning_for_litellm
+from proxy.capture import REASONING, Capture, reasoning_for_litellm
 from proxy.errors import BadRequest, NotFound, json_response
 from proxy.forwarding import (
     Call,
@@ -52,6 +54,7 @@ router = APIRouter()
 TOOL_TYPES = ("function", "custom", "namespace")  # the rest (web_search, file_search, computer, ...) are hosted
 INPUT_PARTS = ("input_text", "output_text", "text", "refusal")
 UNSUPPORTED = ("background", "conversation", "prompt")
+ECHOED = ("instructions", "max_output_tokens", "previous_response_id", "reasoning", "temperature", "text", "top_p")
 MAX_CHAIN = 10_000  # previous_response_id links followed before giving up
 FINAL = ("response.completed", "response.incomplete")  # the events that end a stream
 FINAL_EVENTS = tuple(f"event: {name}\n".encode() for name in FINAL)
@@ -94,7 +97,6 @@ async def stored_response(
 def warm() -> None:
     """Import litellm's translators now rather than on the first call (see app.warm_translators)."""
     _config()
-    _event_stream()
 
 
 @cache
@@ -103,38 +105,6 @@ def _config() -> Any:
     from litellm.responses.litellm_completion_transformation.transformation import LiteLLMCompletionResponsesConfig
 
     return LiteLLMCompletionResponsesConfig
-
-
-@cache
-def _event_stream() -> type:
-    litellm()
-    from litellm.responses.litellm_completion_transformation.streaming_iterator import (
-        LiteLLMCompletionStreamingIterator,
-    )
-
-    class EventStream(LiteLLMCompletionStreamingIterator):  # type: ignore[misc]
-        """litellm's event stream, keeping the proxy's response id: litellm would rewrite it into
-        an id of its own router (base64 of provider and model)."""
-
-        def _with_encoded_response_id(self, response: Any) -> Any:
-            return response
-
-    return EventStream
-
-
-class _Chunks:
-    """The upstream's chunks where litellm's event stream expects its own stream wrapper."""
-
-    logging_obj = None
-
-    def __init__(self, chunks: AsyncIterator[Any]) -> None:
-        self._chunks = chunks
-
-    def __aiter__(self) -> _Chunks:
-        return self
-
-    async def __anext__(self) -> Any:
-        return await self._chunks.__anext__()
 
 
 def validate(body: dict[str, Any]) -> None:
@@ -245,49 +215,150 @@ def _event(data: dict[str, Any]) -> bytes:
     return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[bytes]:
-    """Responses events translated from the upstream's chunks; the final response.completed
-    (or response.incomplete) reaches the client once the call is recorded."""
-    from litellm.types.utils import ModelResponseStream
+class _ResponseEvents:
+    """The Responses stream events for a streamed chat answer, written straight from its chunks:
+    response.created and response.in_progress; an output item for each run of reasoning (its
+    summary text), of text (one output_text part) and for each function call, added, its deltas,
+    done; then response.completed (or response.incomplete) with the whole response, as the same
+    call unstreamed would answer it, under the streamed items' ids."""
 
+    def __init__(self, body: dict[str, Any], response_id: str) -> None:
+        self.body, self.response_id = body, response_id
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []  # output items so far, the newest open until `_close`
+        self.open = False
+        self.calls: dict[int, dict[str, Any]] = {}  # function call items by their index in the stream
+
+    def event(self, kind: str, **data: Any) -> bytes:
+        self.sequence += 1
+        return _event({"type": kind, **data, "sequence_number": self.sequence - 1})
+
+    def start(self) -> list[bytes]:
+        body = self.body
+        response = {"id": self.response_id, "object": "response", "created_at": int(time.time()),
+                    "status": "in_progress", "model": body["model"], "output": [], "error": None,
+                    "incomplete_details": None, "metadata": body.get("metadata") or {},
+                    "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                    "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+                    "truncation": None, "usage": None, "user": None, "store": True,
+                    **{name: body.get(name) for name in ECHOED}}  # fmt: skip
+        return [self.event(kind, response=response) for kind in ("response.created", "response.in_progress")]
+
+    def add(self, chunk: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        for choice in chunk.get("choices") or []:  # a Responses answer has one
+            delta = choice.get("delta") or {}
+            reasoning = next((delta[k] for k in REASONING if delta.get(k)), None)
+            if reasoning:
+                out += self._item("reasoning", {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": []})
+                out.append(self._delta("response.reasoning_summary_text.delta", reasoning, summary_index=0))
+            if delta.get("content"):
+                item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": []}
+                out += self._item("message", item)
+                out.append(self._delta("response.output_text.delta", delta["content"], content_index=0, logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                i, function = call.get("index", 0), call.get("function") or {}
+                if i not in self.calls:
+                    call_id = call.get("id") or f"call_{i}"
+                    item = {"id": f"fc_{call_id}", "type": "function_call", "call_id": call_id,
+                            "name": function.get("name") or "", "arguments": ""}  # fmt: skip
+                    out += self._item("function_call", item, new=True)
+                    self.calls[i] = item
+                if function.get("arguments"):
+                    self.calls[i]["arguments"] += function["arguments"]
+                    if self.items[-1] is self.calls[i]:
+                        out.append(self._delta("response.function_call_arguments.delta", function["arguments"]))
+        return out
+
+    def end(self, response: dict[str, Any]) -> list[bytes]:
+        """The events that close the stream, with the whole `response` (its items take the streamed ids)."""
+        out = self._close()
+        for kind in ("reasoning", "message", "function_call"):
+            streamed = [item for item in self.items if item["type"] == kind]
+            wholes = [item for item in response["output"] if item.get("type") == kind]
+            for item, whole in zip(streamed, wholes, strict=False):  # the whole answer drops an empty message
+                whole["id"] = item["id"]
+        final = "response.incomplete" if response.get("status") == "incomplete" else "response.completed"
+        return [*out, self.event(final, response=response)]
+
+    def _item(self, kind: str, item: dict[str, Any], new: bool = False) -> list[bytes]:
+        if self.open and self.items[-1]["type"] == kind and not new:
+            return []
+        out = self._close()
+        self.items.append(item)
+        self.open = True
+        at = len(self.items) - 1
+        out.append(self.event("response.output_item.added", output_index=at, item={**item, "status": "in_progress"}))
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            out.append(self.event("response.content_part.added", **self._at(), content_index=0, part=part))
+        elif kind == "reasoning":
+            part = {"type": "summary_text", "text": ""}
+            out.append(self.event("response.reasoning_summary_part.added", **self._at(), summary_index=0, part=part))
+        return out
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _delta(self, kind: str, text: str, **where: Any) -> bytes:
+        item = self.items[-1]
+        item["text"] = item.get("text", "") + text
+        return self.event(kind, **self._at(), **where, delta=text)
+
+    def _close(self) -> list[bytes]:
+        if not self.open:
+            return []
+        self.open = False
+        item, at = self.items[-1], self._at()
+        if item["type"] == "message":
+            text = item.pop("text", "")
+            part = {"type": "output_text", "text": text, "annotations": []}
+            item["content"] = [part]
+            out = [self.event("response.output_text.done", **at, content_index=0, text=text),
+                   self.event("response.content_part.done", **at, content_index=0, part=part)]  # fmt: skip
+        elif item["type"] == "reasoning":
+            text = item.pop("text", "")
+            part = {"type": "summary_text", "text": text}
+            item["summary"] = [part]
+            out = [self.event("response.reasoning_summary_text.done", **at, summary_index=0, text=text),
+                   self.event("response.reasoning_summary_part.done", **at, summary_index=0, part=part)]  # fmt: skip
+        else:
+            item.pop("text", None)
+            out = [self.event("response.function_call_arguments.done", **at, arguments=item["arguments"])]
+        done = {**item, "status": "completed"}
+        return [*out, self.event("response.output_item.done", output_index=at["output_index"], item=done)]
+
+
+def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[bytes]:
+    """Responses events from the upstream's chunks; the final response.completed (or
+    response.incomplete) reaches the client once the call is recorded."""
     body, response_id = call.request, str(call.response_id)
     capture = Capture()
-    final: list[dict[str, Any]] = []  # the event that ends the stream
-    sequence = 0
+    events = _ResponseEvents(body, response_id)
+    final: list[dict[str, Any]] = []  # the whole response, once the stream has ended
 
-    async def chunks() -> AsyncIterator[Any]:
+    async def translated() -> AsyncIterator[bytes]:
+        for event in events.start():
+            yield event
         async for chunk in upstream_chunks(resp, data):
             capture.add_chunk(chunk)
-            if nothing_to_translate(capture, chunk):
-                continue  # recorded, but nothing for the client
-            yield ModelResponseStream(**{**reasoning_for_litellm(chunk), "id": response_id})
-
-    async def events() -> AsyncIterator[bytes]:
-        nonlocal sequence
-        translated = _event_stream()(
-            model=body["model"],
-            litellm_custom_stream_wrapper=_Chunks(chunks()),
-            request_input=body.get("input"),
-            responses_api_request=_params(body),
-        )
-        async for event in translated:
-            shown = {**jsonable(event), "sequence_number": sequence}
-            sequence += 1
-            if shown["type"] in FINAL:
-                final.append(shown)
-            yield _event(shown)
+            for event in events.add(chunk):
+                yield event
+        final.append(to_response(capture.assembled(True), body, response_id))
+        for event in events.end(final[0]):
+            yield event
 
     def whole() -> dict[str, Any]:
-        return final[0]["response"] if final else to_response(capture.assembled(True), body, response_id)
+        return final[0] if final else to_response(capture.assembled(True), body, response_id)
 
     def failed(message: str, kind: str, answer: dict[str, Any] | None) -> bytes:
         response = {**(answer or {"id": response_id, "object": "response", "output": []}), "status": "failed",
                     "error": {"code": "server_error", "message": message}}  # fmt: skip
-        return _event({"type": "response.failed", "response": response, "sequence_number": sequence})
+        return _event({"type": "response.failed", "response": response, "sequence_number": events.sequence})
 
     return relay(
-        call, resp, capture, events(), held=lambda event: event.startswith(FINAL_EVENTS),
-        answer=whole, failed=failed, ended=lambda: None if final else "the upstream stream ended without a response",
+        call, resp, capture, translated(), held=lambda event: event.startswith(FINAL_EVENTS), answer=whole,
+        failed=failed,
     )  # fmt: skip
 
 

@@ -298,6 +298,28 @@ def test_a_messages_stream_with_two_tool_calls_gives_each_its_own_whole_input(ma
     )
 
 
+@pytest.mark.parametrize("tool_calls", [None, [("add", '{"a": 2, "b": 3}'), ("mul", '"2,3"')]])
+def test_a_responses_stream_names_its_items_as_the_whole_response_does(
+    make_proxy: Any, tool_calls: list[tuple[str, str]] | None
+) -> None:
+    """Stub upstream streaming text, or two tool calls: the items the openai SDK sees added have
+    the ids, order and content of response.completed's output and of the record."""
+    with AppThread(stub_app(tool_calls=tool_calls)) as upstream:
+        proxy = make_proxy(f"{upstream.url}/v1")
+        client = OpenAI(base_url=proxy.v1, api_key="s-items", max_retries=0)
+        events = list(client.responses.create(model=MODEL, input="Hi", stream=True))
+        [call] = proxy.calls("s-items")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.completed" and call.ok and call.response is not None
+    assert [e.item.id for e in events if e.type == "response.output_item.added"] == [item.id for item in done]
+    assert [item.model_dump(exclude_none=True) for item in events[-1].response.output] == [
+        item.model_dump(exclude_none=True) for item in done
+    ]
+    assert [item["id"] for item in call.response["output"]] == [item.id for item in done]
+    assert [item.type for item in done] == (["function_call"] * 2 if tool_calls else ["message"])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
 def test_an_upstream_that_cannot_render_is_found_out_once(make_proxy: Any, caplog: Any) -> None:
     """Stub upstream without /tokenize: a continuing call is sent as messages, answered and
     recorded, and says why it started a thread; the upstream is asked once and the log says so once."""
