@@ -153,14 +153,15 @@ class Call:
             return
         self.chat_body = body
         try:
-            plan = await self.state.threads.plan(self.upstream, self.session.id, body)
+            plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.seq)
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
             plan = Plan(None, f"token-in could not read the request: {exc!r}")
         context = self.upstream.models.get(str(body.get("model")))
         if plan.prompt_ids is not None and context and len(plan.prompt_ids) >= context:
             plan = Plan(None, f"the token-in prompt ({len(plan.prompt_ids)} tokens) fills the context")
-        self.prompt_ids, self.thread_start = plan.prompt_ids, plan.why and plan.why[:256]  # the column's width
+        why = plan.why or plan.fork
+        self.prompt_ids, self.thread_start = plan.prompt_ids, why and why[:256]  # the column's width
         if plan.prompt_ids is not None:
             body["kv_transfer_params"] = {"prompt_token_ids": plan.prompt_ids}
 
@@ -206,7 +207,7 @@ class Call:
             rewrites=self.rewrites,
             response_id=self.response_id,
             token_in=token_in,
-            thread_start=None if token_in or self.chat_body is None else self.thread_start,
+            thread_start=None if self.chat_body is None else self.thread_start,
         )
         state.observe(call)
         return call

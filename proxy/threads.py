@@ -12,7 +12,9 @@ calls, strip thinking) and however a sampled text would re-tokenize.
 The bridge needs no per-model code: the upstream renders the whole new request (`/tokenize`) and
 the bridge is what follows the end-of-turn token that closes the echoed answer. That is the n-th
 end-of-turn token of the rendering, n being how many the thread's own tokens hold (one more if
-its answer was cut before sampling one). The end-of-turn token is found once per model and
+its answer was cut before sampling one). When the rendering does not hold one more for each
+later message (a template that merges or drops turns), the history up to the echoed answer is
+rendered too, and must hold n. The end-of-turn token is found once per model and
 template, from two renderings of a short exchange that differ only in the answer's text. The ids
 go to vLLM's Chat Completions as `kv_transfer_params.prompt_token_ids`, so the answer is parsed
 (tool calls, reasoning) and shaped as before.
@@ -30,7 +32,7 @@ import logging
 import re
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -94,6 +96,7 @@ class Thread:
     tools: bytes  # the request's tools, canonical
     prompt_ids: array[int]  # 4 bytes a token
     answers: list[Answer]
+    continued: dict[int, int] = field(default_factory=dict)  # answer index: the call that continued it first
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Plan:
 
     prompt_ids: list[int] | None
     why: str | None  # why the call starts a new thread (None: it continues one)
+    fork: str | None = None  # a continuing call's, when another call continued the same answer first
 
 
 TEMPLATE_FIELDS = ("tools", "chat_template", "chat_template_kwargs")  # what renders a chat besides its messages
@@ -159,8 +163,9 @@ class Threads:
             self.unrendering.add(upstream.base_url)
         return Plan(None, why)
 
-    async def plan(self, upstream: Upstream, session_id: str, body: dict[str, Any]) -> Plan:
-        """Token-in for a chat body bound for `upstream`: its prompt ids, or why it starts a thread."""
+    async def plan(self, upstream: Upstream, session_id: str, body: dict[str, Any], seq: int = 0) -> Plan:
+        """Token-in for call `seq`'s chat body bound for `upstream`: its prompt ids, or why it
+        starts a thread. A second call continuing the same answer (a retry, a fork) is told so."""
         messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
         found = self._continued(session_id, messages, tools_key(body))
         if isinstance(found, str):
@@ -184,21 +189,25 @@ class Threads:
         sequence = thread.prompt_ids.tolist() + answer.sampled
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
         n = sequence.count(eot) + (0 if closed else 1)
-        # The whole request, and (to check the count) the history up to the echoed answer alone.
-        echoed = {**body, "messages": [m for m in body["messages"] if isinstance(m, dict)][: len(thread.messages) + 1]}
-        rendered, history = await asyncio.gather(render(upstream, body), render(upstream, echoed, generation=False))
-        for got in (rendered, history):
-            if isinstance(got, str):
-                return self._unrendered(upstream, got)
-        assert isinstance(rendered, list) and isinstance(history, list)
-        if history.count(eot) != n:
-            return Plan(None, f"the template renders the conversation with {history.count(eot)} end-of-turn tokens "
-                              f"up to the echoed answer, its tokens hold {n}")  # fmt: skip
+        rendered = await render(upstream, body)
+        if isinstance(rendered, str):
+            return self._unrendered(upstream, rendered)
+        later = len(messages) - len(thread.messages) - 1  # the messages after the echoed answer
+        if rendered.count(eot) != n + later:  # not one turn each: count the history up to the echoed answer
+            echoed = [m for m in body["messages"] if isinstance(m, dict)][: len(thread.messages) + 1]
+            history = await render(upstream, {**body, "messages": echoed}, generation=False)
+            if isinstance(history, str):
+                return self._unrendered(upstream, history)
+            if history.count(eot) != n:
+                return Plan(None, f"the template renders the conversation with {history.count(eot)} end-of-turn "
+                                  f"tokens up to the echoed answer, its tokens hold {n}")  # fmt: skip
         ends = [i for i, t in enumerate(rendered) if t == eot]
         if len(ends) <= n - 1 or ends[n - 1] == len(rendered) - 1:
             return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
         bridge = rendered[ends[n - 1] + (1 if closed else 0) :]
-        return Plan(sequence + bridge, None)
+        first = thread.continued.setdefault(thread.answers.index(answer), seq)
+        fork = None if first == seq else f"a fork: call {first} continued this answer first"
+        return Plan(sequence + bridge, None, fork)
 
 
 NO_RENDERING = "the upstream has no /tokenize to render requests with (token-in needs it)"

@@ -54,7 +54,8 @@ class CallRecord:
     # Chosen where the call is made and unique in the store: a write retried after a commit whose
     # answer was lost finds its call already there instead of writing it twice.
     # Token-in (proxy/threads.py): whether the prompt was built from the tokens of an earlier call
-    # of the session, and if the call starts a new thread instead, why.
+    # of the session, and if the call starts a new thread instead, why (or, for a second call that
+    # continued the same answer, a retry or a fork, which call continued it first).
     token_in: bool = False
     thread_start: str | None = None
     # (None when read back from a store written before schema version 6.) A copy made with

@@ -4,6 +4,7 @@ vLLM does, so the bridge can be checked id by id; the real thing is in test_toke
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -48,3 +49,32 @@ def test_a_request_with_template_inputs_token_in_cannot_render_goes_as_messages(
         not second.token_in
         and second.thread_start == "the request sets reasoning_effort, which token-in does not render yet"
     )
+
+
+def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_second_is_a_fork(
+    make_proxy: Any, stub: str
+) -> None:
+    """A harness's retry, or two branches sent together: both continue the first answer token-in,
+    each with its own bridge, and the record says which one forked."""
+    proxy = make_proxy(stub)
+    ask = [{"role": "user", "content": "hi"}]
+    headers = {"x-api-key": "s-fork"}
+    httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": ask}, headers=headers)
+    branches = [[*ask, {"role": "assistant", "content": "stub answer"}, {"role": "user", "content": q}]
+                for q in ("left?", "right, at some length?")]  # fmt: skip
+
+    async def send_both() -> None:
+        async with httpx.AsyncClient(base_url=proxy.v1, headers=headers) as client:
+            sent = [client.post("/chat/completions", json={"model": MODEL, "messages": m}) for m in branches]
+            for answer in await asyncio.gather(*sent):
+                answer.raise_for_status()
+
+    asyncio.run(send_both())
+    first, *continuing = proxy.calls("s-fork")
+    bridges = {tuple(render(m)[len(render(m[:2])) - 1 :]) for m in branches}  # after the echoed answer
+    got = {tuple(c.prompt_token_ids[len(first.prompt_token_ids) + len(COMPLETION) :]) for c in continuing}
+    assert got == bridges and all(c.token_in for c in continuing)
+    assert sorted(str(c.thread_start) for c in continuing) == [
+        "None",
+        f"a fork: call {first.seq + 1} continued this answer first",
+    ]

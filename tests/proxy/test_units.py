@@ -167,9 +167,13 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
     prompt = [1, 50, 51, E, NL, A]
     rendered = [1, 50, 51, E, NL, A, 90, 91, E, NL, 60, 61, E, NL, A]  # answer re-rendered as 90 91
     history = rendered[:10]  # up to the echoed answer, closed as the template closes it
-    monkeypatch.setattr(
-        "proxy.threads.render", lambda up, body, generation=True: _returns(rendered if generation else history)
-    )
+    histories: list[Any] = []  # the history is rendered only when the whole rendering's count is off
+
+    def render(upstream: Any, body: dict[str, Any], generation: bool = True) -> Any:
+        histories.extend([] if generation else [body["messages"]])
+        return _returns(rendered if generation else history)
+
+    monkeypatch.setattr("proxy.threads.render", render)
     monkeypatch.setattr("proxy.threads.end_of_turn", lambda upstream, body: _returns(E))
     upstream: Any = SimpleNamespace(base_url="http://upstream/v1")  # only rendered through the patches
     for sampled, finish, expected in (
@@ -195,6 +199,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
         assert (await threads.plan(upstream, "s", other)).why == "message 2 is not the assistant answer sampled there"
         tools = {**follow, "tools": [{"type": "function", "function": {"name": "f"}}]}
         assert (await threads.plan(upstream, "s", tools)).why == "the tools or the chat template changed"
+    assert histories == []
     # An answer that sampled the end-of-turn token before its end, and a template that renders the
     # history with another count of them than the thread's tokens hold: a new thread, not a guess.
     for sampled, why in (([80, E, 81, E], "before its end"), ([80, 81, 81], "renders the conversation with 2")):
@@ -206,6 +211,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
             [Answer({"role": "assistant", "content": "ok"}, sampled, "stop")],
         )
         assert why in str((await threads.plan(upstream, "s", follow)).why)
+    assert histories == [follow["messages"][:2]]  # the answer that holds the end-of-turn token is refused first
 
 
 async def _returns(value: Any) -> Any:
