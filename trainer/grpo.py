@@ -25,7 +25,7 @@ import contextlib
 import ctypes
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,16 +199,30 @@ class Learner:
         trl.args.steps_per_generation = accumulation
         return trl.compute_loss(self.model, batch)
 
+    def part_losses(self, samples: list[Sample]) -> Iterator[Any]:
+        """The loss of each micro-batch of a step, weighted so that they add up to the loss of the
+        whole batch taken at once. TRL divides each part's own mean by the number of parts, right
+        only when the parts are even: in parts of [8, 8, 1] the lone sequence would weigh 8x. The
+        token-normalised losses (dapo, cispo, vespo) already divide by the whole batch's count."""
+        parts = [samples[i : i + self.micro_batch] for i in range(0, len(samples), self.micro_batch)]
+        num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
+        for part in parts:
+            batch = self.inputs(part, num_items)
+            if self.args.loss_type in ("dapo", "cispo", "vespo"):
+                share = 1 / len(parts)  # undone below: TRL's own normalizer is already the whole batch's
+            elif self.args.loss_type == "bnpo":  # a mean over tokens
+                share = float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
+            else:  # a mean over sequences
+                share = len(part) / len(samples)
+            yield self.loss(batch, len(parts)) * share * len(parts)
+
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on these samples (in micro-batches); TRL's metrics for it."""
         trl = self.trl
         self.model.train()
         trl._metrics["train"].clear()
-        parts = [samples[i : i + self.micro_batch] for i in range(0, len(samples), self.micro_batch)]
-        num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
         total = 0.0
-        for part in parts:
-            loss = self.loss(self.inputs(part, num_items), len(parts))
+        for loss in self.part_losses(samples):
             trl.accelerator.backward(loss)
             total += float(loss.detach())
         grad_norm = trl.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)

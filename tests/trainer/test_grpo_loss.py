@@ -180,3 +180,24 @@ def test_kl_term_against_the_reference_model(tiny_model: Path, tmp_path: Path) -
     assert learner.trl.ref_model is not None
     assert learner.step(_batch())["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy still is the reference
     assert learner.step(_batch())["kl"] > 1e-4  # one step later it is not
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_uneven_micro_batches_add_up_to_the_whole_batch(tiny_model: Path, tmp_path: Path, loss_type: str) -> None:
+    """Every loss_type: a step's batch of 4 in micro-batches of 3 and 1 gives the loss (and the
+    gradients) of TRL's compute_loss on the whole batch at once."""
+    level = "sequence" if loss_type == "luspo" else "token"  # what TRL allows for each
+    grpo = {**_config(loss_type, level, None), "max_completion_length": 64}
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=3)
+    learner.model.train()
+    samples = _batch()
+
+    def loss_and_grads(loss: Any) -> tuple[Any, list[Any]]:
+        grads = torch.autograd.grad(loss, list(learner.model.parameters()), allow_unused=True)
+        return loss.detach(), [g for g in grads if g is not None]
+
+    parts, part_grads = loss_and_grads(sum(learner.part_losses(samples)))
+    whole, whole_grads = loss_and_grads(learner.loss(learner.inputs(samples), accumulation=1))
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-7)
+    for a, b in zip(part_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
