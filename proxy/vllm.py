@@ -262,8 +262,9 @@ async def hot_swap(
     announce: Callable[[], Awaitable[None]] | None = None,
 ) -> float:
     """Swap `weights` in as `version` on every server (root URLs, without /v1); `previous` is
-    loaded back if a reload fails. `announce` runs while paused, after the version is set.
-    Returns the longest time a server was paused, in seconds."""
+    loaded back if a reload fails (if that fails too, the server is left paused: it would serve
+    unknown weights). `announce` runs while paused, after the version is set. Returns the
+    longest time a server was paused, in seconds."""
     if not (weights / "model.safetensors").exists() and not any(weights.glob("*.safetensors")):
         raise SwapError(f"{weights}: no safetensors weights to load")
     longest = 0.0
@@ -272,18 +273,26 @@ async def hot_swap(
         for root in roots:
             start = time.perf_counter()
             await _post(client, f"{root}/pause", params={"mode": "keep"})
+            lost = False  # the previous weights could not be loaded back either: left paused
             try:
                 try:
                     await _reload(client, root, weights)
                 except SwapError as failed:
-                    await _reload(client, root, previous)
+                    try:
+                        await _reload(client, root, previous)
+                    except SwapError as again:
+                        lost = True
+                        raise SwapError(f"vLLM at {root} refused the weights in {weights} ({failed}) and then the "
+                                        f"previous ones from {previous} ({again}): it is left paused with weights "
+                                        "in an unknown state; restart it") from again  # fmt: skip
                     raise SwapError(f"vLLM at {root} refused the weights in {weights} ({failed}); "
                                     f"it serves the previous ones from {previous}") from failed  # fmt: skip
                 await _post(client, f"{root}/update_weight_version", json={"new_version": version})
                 if announce is not None:
                     await announce()
             finally:
-                await _post(client, f"{root}/resume")
+                if not lost:
+                    await _post(client, f"{root}/resume")
             longest = max(longest, time.perf_counter() - start)
     return longest
 

@@ -53,6 +53,11 @@ class TrainSection(Strict):
                     + ([f"{foreign} are not GRPOConfig fields"] if foreign else [])
                 ) + f"; used here: {sorted(GRPO_KEYS)}"
             )  # fmt: skip
+        if self.grpo.get("fp16"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("grpo: fp16 needs a GPU (on CPU, bf16 is the half precision there is)")
         return self
 
 

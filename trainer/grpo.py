@@ -98,26 +98,38 @@ class Learner:
         grpo: dict[str, Any],
         total_steps: int,
         micro_batch: int = 8,
+        reference: str | None = None,
     ) -> None:
+        """The policy from `model_path`; with `beta`, the KL reference is `reference` (the base
+        model, when `model_path` is a checkpoint resumed from) or else the policy as loaded."""
         import torch
         from datasets import Dataset
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
         from trl import GRPOConfig, GRPOTrainer
 
         cpu = not torch.cuda.is_available()
+        # Gradient checkpointing (TRL's default) trades a second forward pass for memory: off
+        # unless asked for, and then enabled here (TRL's Trainer.train() would, but is not run).
+        settings = {"bf16": False, "gradient_checkpointing": False, **grpo}
         args = GRPOConfig(
             output_dir=str(out_dir), report_to=[], save_strategy="no", logging_strategy="no", use_cpu=cpu,
-            **({"bf16": False} if cpu else {}), per_device_train_batch_size=2, num_generations=2, **grpo,
+            per_device_train_batch_size=2, num_generations=2, **settings,
         )  # fmt: skip
+        set_seed(args.seed)
         self.args = args
         self.micro_batch = micro_batch
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if cpu else "auto")
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trl = GRPOTrainer(
             model=model, args=args, processing_class=self.tokenizer,
             reward_funcs=[lambda completions, **_: [0.0] * len(completions)],  # rewards come from the store
             train_dataset=Dataset.from_list([{"prompt": ""}] * 2),
         )  # fmt: skip
+        if self.trl.ref_model is not None and reference is not None and reference != model_path:
+            base = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32 if cpu else "auto")
+            self.trl.ref_model.load_state_dict(base.state_dict())
         self.trl.create_optimizer_and_scheduler(num_training_steps=total_steps)
         self.model = self.trl.model
         self.device = self.trl.accelerator.device

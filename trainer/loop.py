@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
 from harness_adapters.rollouts import Rollouts, success_rate
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
@@ -41,6 +43,18 @@ def latest_checkpoint(out: Path) -> Path | None:
     """The newest `versions/v<N>` with a loop state in it."""
     found = [d for d in (out / "versions").glob("v*") if (d / "state.json").exists() and d.name[1:].isdigit()]
     return max(found, key=lambda d: int(d.name[1:]), default=None)
+
+
+async def refresh_version(admin: httpx.AsyncClient) -> None:
+    """Have the proxy read the new policy version from vLLM (while vLLM is paused): calls stamped
+    with the old one would be trained as older than they are, so a failure stops the run."""
+    try:
+        answer = await admin.post("/admin/policy_version/refresh")
+    except httpx.HTTPError as exc:
+        raise SwapError(f"the proxy could not be told the new policy version: {exc!r}") from exc
+    if not answer.is_success:
+        raise SwapError(f"the proxy did not take the new policy version: HTTP {answer.status_code}: "
+                        f"{answer.text[:300]}")  # fmt: skip
 
 
 def resident_gb() -> float | None:
@@ -125,11 +139,8 @@ class TrainLoop:
         directory = self.out / "versions" / f"v{version}"
         await self.in_learner(self.learner.save, directory)
 
-        async def announce() -> None:
-            await admin.post("/admin/policy_version/refresh")
-
         try:
-            paused = await hot_swap(self.roots, directory, str(version), self.weights, announce)
+            paused = await hot_swap(self.roots, directory, str(version), self.weights, lambda: refresh_version(admin))
         except SwapError:
             shutil.rmtree(directory, ignore_errors=True)
             raise

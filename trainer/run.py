@@ -25,7 +25,7 @@ from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import LoopState, TrainError
 from trainer.grpo import Learner
-from trainer.loop import TrainLoop, latest_checkpoint, plot
+from trainer.loop import TrainLoop, latest_checkpoint, plot, refresh_version
 
 
 def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
@@ -102,9 +102,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         raise TrainError(f"proxy.model: training needs the model as a local directory, and {base} is not one "
                          "(download it first: `hf download NAME --local-dir DIR`)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    learner = Learner(
-        str(checkpoint or base), out / "trl", config.train.grpo, config.train.steps, config.train.micro_batch
-    )
+    learner = Learner(str(checkpoint or base), out / "trl", config.train.grpo, config.train.steps,
+                      config.train.micro_batch, reference=str(base))  # fmt: skip
     if checkpoint is not None:
         learner.load_optimizer(checkpoint)
     with proxy_for(config) as (url, model, db, upstream):
@@ -132,16 +131,12 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                 loop = TrainLoop(config, learner, rollouts, store, roots, base, state)
                 loop.writers = _writers(config)
                 async with runner.admin() as admin:
-
-                    async def announce() -> None:
-                        await admin.post("/admin/policy_version/refresh")
-
                     if checkpoint is not None:  # vLLM serves the checkpoint's weights under its version
-                        await hot_swap(roots, checkpoint, str(loop.state.version), base, announce)
+                        await hot_swap(roots, checkpoint, str(loop.state.version), base, lambda: refresh_version(admin))
                     else:
                         for root in roots:
                             await set_version(root, "0")
-                        await announce()
+                        await refresh_version(admin)
                 if not progress:
                     return await loop.run(eval_runner, eval_tasks)
                 bar, update = _display(config.train.steps)

@@ -201,3 +201,30 @@ def test_uneven_micro_batches_add_up_to_the_whole_batch(tiny_model: Path, tmp_pa
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-7)
     for a, b in zip(part_grads, whole_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_gradient_checkpointing_and_bf16_take_effect(tiny_model: Path, tmp_path: Path) -> None:
+    """Both are GRPOConfig keys the config accepts: each changes what a step does (TRL's
+    Trainer.train(), which would enable checkpointing, is not run)."""
+    plain = Learner(str(tiny_model), tmp_path / "plain", {}, total_steps=1)
+    assert not plain.model.is_gradient_checkpointing and plain.trl.accelerator.mixed_precision == "no"
+    checkpointed = Learner(str(tiny_model), tmp_path / "gc", {"gradient_checkpointing": True}, total_steps=1)
+    assert checkpointed.model.is_gradient_checkpointing
+    half = Learner(str(tiny_model), tmp_path / "bf16", {"bf16": True}, total_steps=1)
+    assert half.trl.accelerator.mixed_precision == "bf16"
+    for learner in (checkpointed, half):
+        assert learner.step(_batch())["grad_norm"] > 0
+
+
+def test_a_resumed_policy_keeps_the_base_model_as_its_kl_reference(tiny_model: Path, tmp_path: Path) -> None:
+    """With beta, a run resumed from a checkpoint takes its KL against the base model, not the
+    checkpoint (TRL copies whatever policy it is given)."""
+    trained = Learner(str(tiny_model), tmp_path / "trl", {"learning_rate": 1e-2}, total_steps=2, micro_batch=2)
+    trained.step(_batch())
+    trained.save(tmp_path / "v1", with_optimizer=False)
+    resumed = Learner(str(tmp_path / "v1"), tmp_path / "trl2", {"beta": 0.5}, total_steps=1, reference=str(tiny_model))
+    base = Learner(str(tiny_model), tmp_path / "trl3", {}, total_steps=1).model
+    assert resumed.trl.ref_model is not None
+    for ref, original in zip(resumed.trl.ref_model.parameters(), base.parameters(), strict=True):
+        torch.testing.assert_close(ref, original)
+    assert resumed.step(_batch())["kl"] > 1e-4  # the policy has moved from the reference already

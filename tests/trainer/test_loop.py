@@ -140,3 +140,30 @@ def test_metrics_to_tensorboard_and_plot(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps(r) for r in [*rows, {"step": 2, "heldout_success": 0.5}]))
     assert plot(metrics, tmp_path / "p.png") == tmp_path / "p.png" and (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("answer", [503, "unreachable"])
+def test_a_version_refresh_the_proxy_does_not_take_stops_the_swap(answer: Any) -> None:
+    """Fault injection (an httpx mock transport stands in for the proxy's admin API): a refresh
+    answered with an error, or not answered, raises SwapError naming it, where it was ignored."""
+    import httpx
+
+    from proxy.vllm import SwapError
+    from trainer.loop import refresh_version
+
+    def admin_api(request: httpx.Request) -> httpx.Response:
+        if answer == "unreachable":
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(answer, json={"error": {"message": "vLLM did not answer /weight_info"}})
+
+    async def refresh() -> None:
+        async with httpx.AsyncClient(base_url="http://proxy", transport=httpx.MockTransport(admin_api)) as admin:
+            await refresh_version(admin)
+
+    with pytest.raises(SwapError, match="503" if answer == 503 else "ConnectError"):
+        asyncio.run(refresh())
+
+
+def test_fp16_on_cpu_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fp16 needs a GPU"):
+        _config(tmp_path, grpo={"fp16": True})

@@ -117,6 +117,11 @@ def test_refused_reload_keeps_old_weights(proxy: RunningProxy, vllm: Upstream, r
     assert version == "0"
     with pytest.raises(SwapError, match="no safetensors"):
         asyncio.run(hot_swap([restore], tmp_path / "missing", "1", base))
+    # The previous weights refused too: vLLM is left paused (it would serve unknown weights), and says so.
+    with pytest.raises(SwapError, match="left paused"):
+        asyncio.run(hot_swap([restore], broken, "1", broken))
+    assert httpx.get(f"{restore}/is_paused").json()["is_paused"] is True
+    httpx.post(f"{restore}/resume").raise_for_status()  # the shared server goes on (`restore` reloads the weights)
 
 
 def test_two_replicas_pinned_swapped_and_one_lost(
