@@ -26,6 +26,7 @@ class Rollouts:
     tasks: list[Task]
     episodes_per_task: int
     limit: asyncio.Semaphore  # episodes running at once (evaluation shares it)
+    failure_reward: float = 0.0  # what an episode whose harness crashed or timed out is scored
     rewards: list[float] = field(default_factory=list)  # every scored episode's, in the order they finished
     _order: list[Task] = field(default_factory=list)
 
@@ -38,6 +39,8 @@ class Rollouts:
                 result = await self.runner.episode(admin, task, n, group)
             if result.reward is not None:
                 self.rewards.append(result.reward)
+            elif result.status == result.outcome.status and result.status in ("failed", "timeout"):
+                self.rewards.append(self.failure_reward)
 
         await asyncio.gather(*(one(n) for n in range(self.episodes_per_task)))
         return group

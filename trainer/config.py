@@ -6,7 +6,7 @@ harness_adapters/examples/arithmetic/train.yaml.
       steps: 30
       groups_per_step: 4        # GRPO groups (one task, episodes_per_task episodes) per step
       mode: async               # async: rollouts go on while training; sync: generate, train, repeat
-      max_staleness: 1          # policy versions a sample may lag behind; older ones are dropped
+      max_staleness: 1          # optimizer steps a sample's policy may lag behind; older ones are dropped
       queue_groups: 4           # finished groups waiting for the trainer; more blocks rollouts
       sync_every: 1             # optimizer steps between weight swaps into vLLM
       grpo:                     # TRL GRPOConfig fields, with TRL's meaning and defaults
@@ -36,6 +36,7 @@ class TrainSection(Strict):
     queue_groups: int = Field(4, ge=1, description="finished groups the trainer has not taken; more wait")
     sync_every: int = Field(1, ge=1)
     baseline: Literal["mean", "leave_one_out"] = "mean"
+    failure_reward: float = Field(0.0, description="the reward of an episode whose harness crashed or timed out")
     micro_batch: int = Field(8, ge=1, description="sequences per forward/backward pass")
     keep_versions: int = Field(2, ge=1, description="weight directories kept (the newest)")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)

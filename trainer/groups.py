@@ -1,10 +1,13 @@
 """Finished GRPO groups read back from the store as training samples, and what a checkpoint
 holds besides the weights (`LoopState`).
 
-A group is rebuilt into token-exact sequences (recorder.trajectories). Episodes sampled more
-than `max_staleness` policy versions ago are dropped and counted; a group left with fewer than
-two scored episodes, or whose rewards are all equal (no signal), is skipped and counted; groups
-that keep coming back without one scored episode stop the run by name.
+A group is rebuilt into token-exact sequences (recorder.trajectories). An episode whose harness
+crashed or timed out is scored `failure_reward` (a policy that hangs or loops is penalised, as
+evaluation counts it a failure); one the proxy or vLLM failed (a call answered 5xx), or with no
+call or no reward (the verifier failed), is dropped, each counted. Episodes sampled more than
+`max_staleness` optimizer steps ago are dropped and counted; a group left with fewer than two
+scored episodes, or whose rewards are all equal (no signal), is skipped and counted; groups that
+keep coming back without one scored episode stop the run by name.
 """
 
 from __future__ import annotations
@@ -37,9 +40,16 @@ class LoopState:
     consumed: list[str] = field(default_factory=list)  # groups trained on or discarded
     skipped_equal: int = 0  # groups whose rewards were all equal
     dropped_stale: int = 0  # episodes older than max_staleness
-    unscored: int = 0  # episodes that failed, timed out or made no call
+    unscored: int = 0  # episodes with no call, or whose reward could not be computed
+    failures_scored: int = 0  # harness crashes and timeouts, scored failure_reward
+    dropped_infra: int = 0  # episodes the proxy or vLLM failed
     samples: int = 0
     tokens: int = 0
+    version_steps: dict[str, int] = field(default_factory=dict)  # policy version: the step that made it
+
+    def made_at(self, version: str | None) -> int:
+        """The optimizer step whose weights a policy version is (staleness counts steps, not swaps)."""
+        return self.version_steps.get(str(version), version_number(version))
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -77,25 +87,26 @@ class GroupReader:
         """A group's samples with their advantages, or None (counted) if it cannot be used."""
         self.state.consumed.append(group)
         sessions = await self.store.list_sessions(group_id=group)
-        current = self.state.version
-        kept: list[tuple[SessionInfo, list[Any], int]] = []
+        kept: list[tuple[float, list[Any], int]] = []
+        scored = 0
         for s in sessions:
-            if s.status != "ok" or s.reward is None:
-                self.state.unscored += 1
-                continue
             calls = [c async for c in self.store.iter_calls(s.id)]
+            reward = self.reward(s, calls)
+            if reward is None:
+                continue
+            scored += 1
             report = build_sequences(calls, s)  # per-call rewards are not used by GRPO here
             sequences = [q for q in report.sequences if q.sampled_tokens]
             if not sequences:
                 self.state.unscored += 1
                 continue
-            version = min(version_number(span.version) for q in sequences for span in q.spans)
-            if current - version > self.cfg.max_staleness:
+            lag = self.state.step - min(self.state.made_at(span.version) for q in sequences for span in q.spans)
+            if lag > self.cfg.max_staleness:
                 self.state.dropped_stale += 1
                 continue
-            kept.append((s, sequences, current - version))
-        self.check_failing(sessions)
-        rewards = [float(s.reward) for s, _, _ in kept if s.reward is not None]
+            kept.append((reward, sequences, lag))
+        self.check_failing(sessions, scored)
+        rewards = [reward for reward, _, _ in kept]
         if len(kept) < 2 or max(rewards) == min(rewards):
             self.state.skipped_equal += len(kept) >= 2
             return None
@@ -104,10 +115,24 @@ class GroupReader:
         samples = [Sample(q, a) for (_, sequences, _), a in zip(kept, values, strict=True) for q in sequences]
         return samples, rewards, [lag for _, _, lag in kept]
 
-    def check_failing(self, sessions: list[SessionInfo]) -> None:
+    def reward(self, session: SessionInfo, calls: list[Any]) -> float | None:
+        """The episode's reward to train on, or None (counted) if it is dropped."""
+        if any(c.http_status >= 500 for c in calls):
+            self.state.dropped_infra += 1
+            return None
+        harness = (session.metadata.get("outcome") or {}).get("status")
+        if session.status in ("failed", "timeout") and harness in ("failed", "timeout"):
+            self.state.failures_scored += 1
+            return self.cfg.failure_reward
+        if session.status != "ok" or session.reward is None:
+            self.state.unscored += 1
+            return None
+        return float(session.reward)
+
+    def check_failing(self, sessions: list[SessionInfo], scored: int) -> None:
         """Stop, naming the cause, when groups keep coming back without one scored episode
         (vLLM gone, a harness that cannot start): training could never go on."""
-        if any(s.status == "ok" and s.reward is not None for s in sessions):
+        if scored:
             self.failing = 0
             return
         self.failing += 1

@@ -145,6 +145,7 @@ class TrainLoop:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         self.state.version, self.weights = version, directory
+        self.state.version_steps[str(version)] = self.state.step
         self.state.save(directory / "state.json")
         kept = sorted((d for d in (self.out / "versions").glob("v*") if d.name[1:].isdigit()),
                       key=lambda d: int(d.name[1:]))[: -self.cfg.keep_versions]  # fmt: skip
@@ -212,7 +213,8 @@ class TrainLoop:
             "sequence_tokens_per_s": processed / max(trained, 1e-9),
             "staleness_mean": statistics.fmean(batch.staleness), "staleness_max": max(batch.staleness),
             "skipped_equal": self.state.skipped_equal, "dropped_stale": self.state.dropped_stale,
-            "unscored": self.state.unscored, "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
+            "unscored": self.state.unscored, "failures_scored": self.state.failures_scored,
+            "dropped_infra": self.state.dropped_infra, "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
             "queue": self.queue.qsize(), "memory_gb": resident_gb(),
             **{k.replace("/", "_"): v for k, v in metrics.items()},
         }  # fmt: skip

@@ -66,9 +66,11 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
         if "heldout_success" in row:
             bar.console.print(f"held-out success at step {row['step']}: {row['heldout_success']:.0%}")
             return
-        line = (f"v{row['version']} reward {row['reward']:.2f} staleness {row['staleness_mean']:.1f} "
-                f"{row['sequence_tokens_per_s']:.0f} tok/s skipped {row['skipped_equal']} "
-                f"stale {row['dropped_stale']}")  # fmt: skip
+        rollouts = "-" if row["rollout_reward"] is None else f"{row['rollout_reward']:.2f}"
+        line = (f"v{row['version']} rollout reward {rollouts} (trained groups {row['reward']:.2f}) "
+                f"staleness {row['staleness_mean']:.1f} {row['sequence_tokens_per_s']:.0f} tok/s "
+                f"skipped {row['skipped_equal']} stale {row['dropped_stale']} failed {row['failures_scored']} "
+                f"infra {row['dropped_infra']}")  # fmt: skip
         bar.update(job, completed=row["step"], line=line)
         bar.console.print(f"step {row['step']}/{total} {line} (train {row['train_s']:.0f} s, "
                           f"waited {row['wait_s']:.0f} s)", highlight=False)  # fmt: skip
@@ -127,7 +129,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
 
                 runner = runner_for(config.run, out / "episodes")
                 eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None
-                rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency))
+                rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency),
+                                    config.train.failure_reward)  # fmt: skip
                 loop = TrainLoop(config, learner, rollouts, store, roots, base, state)
                 loop.writers = _writers(config)
                 async with runner.admin() as admin:

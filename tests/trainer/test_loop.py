@@ -25,7 +25,18 @@ def _config(tmp_path: Path, **train: Any) -> TrainConfig:
                        harness=PythonHarness(type="python", agent="x:y"), train=TrainSection(**train))  # fmt: skip
 
 
-async def _episode(store: Store, group: str, n: int, version: str, reward: float | None, status: str = "ok") -> None:
+async def _episode(
+    store: Store,
+    group: str,
+    n: int,
+    version: str,
+    reward: float | None,
+    status: str = "ok",
+    harness: str = "ok",
+    infra: bool = False,
+) -> None:
+    """An episode of two merged turns; `harness` is how its harness ended, `infra` adds a call
+    the upstream failed (503)."""
     session = await store.create_session(SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t",
                                                      group_id=group))  # fmt: skip
     prompt = [1, 2, 3]
@@ -37,9 +48,17 @@ async def _episode(store: Store, group: str, n: int, version: str, reward: float
             policy_version=version, policy_version_end=version, started_at=T0, finished_at=T0,
         ))  # fmt: skip
         prompt = prompt + tokens + [7]
+    if infra:
+        await store.record(CallRecord(
+            session_id=session.id, seq=3, api="chat.completions", model="m", upstream="u", stream=False,
+            request={"messages": []}, response=None, ok=False, http_status=503, error="upstream unreachable",
+            prompt_token_ids=[], completions=[], policy_version=version, policy_version_end=version,
+            started_at=T0, finished_at=T0,
+        ))  # fmt: skip
     if reward is not None:
         await store.add_reward(session.id, reward, "python")
-    await store.end_session(session.id, status, {"outcome": {"error": None if status == "ok" else "harness crashed"}})
+    outcome = {"status": harness, "error": None if status == "ok" else "harness crashed"}
+    await store.end_session(session.id, status, {"outcome": outcome})
 
 
 def _loop(tmp_path: Path, store: Store, state: LoopState, **train: Any) -> GroupReader:
@@ -56,8 +75,7 @@ def test_staleness_equal_rewards_and_failures(tmp_path: Path) -> None:
                 await _episode(store, "equal", n, "3", 1.0)
             for n in range(4):
                 await _episode(store, "failing", n, "3", None, status="failed" if n else "ok")
-            loop = _loop(tmp_path, store, LoopState(), max_staleness=1)
-            loop.state.version = 3
+            loop = _loop(tmp_path, store, LoopState(step=3, version=3), max_staleness=1)
             mixed = await loop.prepare("mixed")
             equal = await loop.prepare("equal")
             failing = await loop.prepare("failing")
@@ -167,3 +185,49 @@ def test_a_version_refresh_the_proxy_does_not_take_stops_the_swap(answer: Any) -
 def test_fp16_on_cpu_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="fp16 needs a GPU"):
         _config(tmp_path, grpo={"fp16": True})
+
+
+def test_crashed_and_timed_out_episodes_are_scored_and_infrastructure_failures_dropped(tmp_path: Path) -> None:
+    async def main() -> tuple[Any, LoopState]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            await _episode(store, "g", 0, "0", 1.0)
+            await _episode(store, "g", 1, "0", None, status="failed", harness="failed")  # the harness crashed
+            await _episode(store, "g", 2, "0", None, status="timeout", harness="timeout")
+            await _episode(store, "g", 3, "0", None, status="failed", harness="failed", infra=True)  # vLLM was down
+            await _episode(store, "g", 4, "0", None, status="failed")  # the verifier failed: not the policy's doing
+            loop = _loop(tmp_path, store, LoopState(), failure_reward=-0.5)
+            return await loop.prepare("g"), loop.state
+
+    prepared, state = asyncio.run(main())
+    assert prepared is not None and prepared[1] == [1.0, -0.5, -0.5]
+    assert (state.failures_scored, state.dropped_infra, state.unscored) == (2, 1, 1)
+
+
+def test_staleness_counts_optimizer_steps_not_swaps(tmp_path: Path) -> None:
+    """Swaps every 2 steps: at step 4 (version 2), an episode of version 1 (made at step 2) is 2
+    steps old, one of version 2 is fresh; max_staleness 1 drops the first."""
+
+    async def main() -> tuple[Any, LoopState]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            for n, (version, reward) in enumerate([("1", 1.0), ("2", 0.0), ("2", 1.0)]):
+                await _episode(store, "g", n, version, reward)
+            state = LoopState(step=4, version=2, version_steps={"1": 2, "2": 4})
+            loop = _loop(tmp_path, store, state, max_staleness=1)
+            return await loop.prepare("g"), loop.state
+
+    prepared, state = asyncio.run(main())
+    assert prepared is not None and prepared[1:] == ([0.0, 1.0], [0, 0]) and state.dropped_stale == 1
+
+
+def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixture[str]) -> None:
+    """The trained groups' reward leaves out groups with equal rewards (all solved, say): the
+    rollout reward is the headline."""
+    from trainer.run import _display
+
+    _, update = _display(10)
+    row = {"step": 1, "version": 1, "reward": 0.5, "rollout_reward": 0.875, "staleness_mean": 0.0,
+           "sequence_tokens_per_s": 100.0, "skipped_equal": 1, "dropped_stale": 0, "failures_scored": 2,
+           "dropped_infra": 0, "train_s": 3.0, "wait_s": 1.0}  # fmt: skip
+    update(row)
+    line = capsys.readouterr().out
+    assert "rollout reward 0.88 (trained groups 0.50)" in line and "failed 2" in line
