@@ -37,6 +37,9 @@ class TrainSection(Strict):
     sync_every: int = Field(1, ge=1)
     baseline: Literal["mean", "leave_one_out"] = "mean"
     failure_reward: float = Field(0.0, description="the reward of an episode whose harness crashed or timed out")
+    allow_truncated_sampling: bool = Field(
+        False, description="train on calls sampled with top_p, top_k, min_p or penalties (their ratios are off)"
+    )
     micro_batch: int = Field(8, ge=1, description="sequences per forward/backward pass")
     keep_versions: int = Field(2, ge=1, description="weight directories kept (the newest)")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)

@@ -13,6 +13,7 @@ keep coming back without one scored episode stop the run by name.
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,14 @@ from trainer.config import TrainConfig
 from trainer.grpo import Sample, advantages
 
 FAILING_GROUPS = 3
+# vLLM's sampling settings that shape the distribution its logprobs come from, at their neutral values.
+NEUTRAL_SAMPLING: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0,
+}  # fmt: skip
+SAME: dict[str, tuple[Any, ...]] = {k: (v, 0) if k == "top_k" else (v,) for k, v in NEUTRAL_SAMPLING.items()}
+
+log = logging.getLogger("rl_proxy.trainer")
 
 
 class TrainError(RuntimeError):
@@ -43,6 +52,7 @@ class LoopState:
     unscored: int = 0  # episodes with no call, or whose reward could not be computed
     failures_scored: int = 0  # harness crashes and timeouts, scored failure_reward
     dropped_infra: int = 0  # episodes the proxy or vLLM failed
+    refused_sampling: int = 0  # episodes sampled with settings the trainer does not score at
     samples: int = 0
     tokens: int = 0
     version_steps: dict[str, int] = field(default_factory=dict)  # policy version: the step that made it
@@ -66,10 +76,23 @@ def version_number(version: str | None) -> int:
 class GroupReader:
     """Samples with their advantages from finished groups; counts what it leaves out in `state`."""
 
-    def __init__(self, config: TrainConfig, store: Store, state: LoopState, scale_rewards: Any) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        store: Store,
+        state: LoopState,
+        scale_rewards: Any,
+        temperature: float = 1.0,
+        defaults: dict[str, Any] | None = None,
+    ) -> None:
+        """`temperature` is the one the trainer scores tokens at; `defaults` the sampling settings
+        vLLM applies where a request names none (the model's generation_config.json)."""
         self.config, self.cfg, self.store, self.state = config, config.train, store, state
         self.scale_rewards = scale_rewards  # TRL's scale_rewards: "group", "batch", "none" (or a bool)
+        self.temperature = temperature
+        self.defaults = {**NEUTRAL_SAMPLING, **{k: v for k, v in (defaults or {}).items() if k in NEUTRAL_SAMPLING}}
         self.failing = 0  # groups in a row without one scored episode
+        self.refused: str | None = None  # why the last episode refused for its sampling settings was
 
     async def leftovers(self) -> list[str]:
         """Groups finished before a restart and not yet trained on (resume)."""
@@ -93,6 +116,13 @@ class GroupReader:
             calls = [c async for c in self.store.iter_calls(s.id)]
             reward = self.reward(s, calls)
             if reward is None:
+                continue
+            refused = self.sampling_refused(calls)
+            if refused is not None:
+                self.state.refused_sampling += 1
+                if refused != self.refused:
+                    log.warning("episodes left out of training: %s", refused)
+                self.refused = refused
                 continue
             scored += 1
             report = build_sequences(calls, s)  # per-call rewards are not used by GRPO here
@@ -129,6 +159,22 @@ class GroupReader:
             return None
         return float(session.reward)
 
+    def sampling_refused(self, calls: list[Any]) -> str | None:
+        """Why an episode's calls cannot be trained on as sampled, if they cannot: vLLM records
+        the logprobs of the distribution it sampled from (after temperature, top-p, top-k,
+        penalties), and the trainer scores its tokens at one temperature, untruncated."""
+        for call in calls:
+            asked = {k: call.request.get(k) for k in NEUTRAL_SAMPLING}
+            used = {k: self.defaults[k] if v is None else v for k, v in asked.items()}
+            if abs(float(used["temperature"]) - self.temperature) > 1e-6:
+                return (f"call {call.seq} sampled at temperature {used['temperature']}, and the trainer scores at "
+                        f"{self.temperature} (grpo.temperature)")  # fmt: skip
+            changed = [f"{k} {v}" for k, v in used.items() if k != "temperature" and v not in SAME[k]]
+            if changed and not self.cfg.allow_truncated_sampling:
+                return (f"call {call.seq} sampled with {', '.join(changed)}: the trainer scores the whole "
+                        "distribution (train.allow_truncated_sampling accepts such calls)")  # fmt: skip
+        return None
+
     def check_failing(self, sessions: list[SessionInfo], scored: int) -> None:
         """Stop, naming the cause, when groups keep coming back without one scored episode
         (vLLM gone, a harness that cannot start): training could never go on."""
@@ -138,4 +184,6 @@ class GroupReader:
         self.failing += 1
         if self.failing >= FAILING_GROUPS:
             errors = [s.metadata.get("outcome", {}).get("error") or s.status for s in sessions]
-            raise TrainError(f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}")
+            refused = f"; refused for sampling settings: {self.refused}" if self.refused else ""
+            raise TrainError(f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}"
+                             + refused)  # fmt: skip

@@ -91,7 +91,10 @@ class TrainLoop:
         self.roots = vllm_roots
         self.out = config.out_dir
         self.state = state or LoopState()
-        self.groups = GroupReader(config, store, self.state, learner.args.scale_rewards)
+        generation = base_weights / "generation_config.json"  # vLLM's defaults where a request sets none
+        defaults = json.loads(generation.read_text()) if generation.exists() else {}
+        self.groups = GroupReader(config, store, self.state, learner.args.scale_rewards, learner.args.temperature,
+                                  defaults)  # fmt: skip
         # The weights vLLM serves: loaded back if a swap fails.
         self.weights = base_weights if state is None else self.out / "versions" / f"v{self.state.version}"
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
@@ -214,7 +217,8 @@ class TrainLoop:
             "staleness_mean": statistics.fmean(batch.staleness), "staleness_max": max(batch.staleness),
             "skipped_equal": self.state.skipped_equal, "dropped_stale": self.state.dropped_stale,
             "unscored": self.state.unscored, "failures_scored": self.state.failures_scored,
-            "dropped_infra": self.state.dropped_infra, "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
+            "dropped_infra": self.state.dropped_infra, "refused_sampling": self.state.refused_sampling,
+            "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
             "queue": self.queue.qsize(), "memory_gb": resident_gb(),
             **{k.replace("/", "_"): v for k, v in metrics.items()},
         }  # fmt: skip

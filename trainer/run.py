@@ -70,7 +70,7 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
         line = (f"v{row['version']} rollout reward {rollouts} (trained groups {row['reward']:.2f}) "
                 f"staleness {row['staleness_mean']:.1f} {row['sequence_tokens_per_s']:.0f} tok/s "
                 f"skipped {row['skipped_equal']} stale {row['dropped_stale']} failed {row['failures_scored']} "
-                f"infra {row['dropped_infra']}")  # fmt: skip
+                f"infra {row['dropped_infra']} off-sampling {row['refused_sampling']}")  # fmt: skip
         bar.update(job, completed=row["step"], line=line)
         bar.console.print(f"step {row['step']}/{total} {line} (train {row['train_s']:.0f} s, "
                           f"waited {row['wait_s']:.0f} s)", highlight=False)  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,16 +35,17 @@ async def _episode(
     status: str = "ok",
     harness: str = "ok",
     infra: bool = False,
+    sampling: dict[str, Any] | None = None,
 ) -> None:
-    """An episode of two merged turns; `harness` is how its harness ended, `infra` adds a call
-    the upstream failed (503)."""
+    """An episode of two merged turns (their requests with `sampling`); `harness` is how its
+    harness ended, `infra` adds a call the upstream failed (503)."""
     session = await store.create_session(SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t",
                                                      group_id=group))  # fmt: skip
     prompt = [1, 2, 3]
     for seq, tokens in enumerate([[10, 11], [12]]):  # two turns, merged into one sequence
         await store.record(CallRecord(
             session_id=session.id, seq=seq + 1, api="chat.completions", model="m", upstream="u", stream=False,
-            request={"messages": []}, response=None, ok=True, http_status=200, error=None,
+            request={"messages": [], **(sampling or {})}, response=None, ok=True, http_status=200, error=None,
             prompt_token_ids=prompt, completions=[Completion(0, tokens, [-0.5] * len(tokens), "stop")],
             policy_version=version, policy_version_end=version, started_at=T0, finished_at=T0,
         ))  # fmt: skip
@@ -227,7 +229,37 @@ def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixtu
     _, update = _display(10)
     row = {"step": 1, "version": 1, "reward": 0.5, "rollout_reward": 0.875, "staleness_mean": 0.0,
            "sequence_tokens_per_s": 100.0, "skipped_equal": 1, "dropped_stale": 0, "failures_scored": 2,
-           "dropped_infra": 0, "train_s": 3.0, "wait_s": 1.0}  # fmt: skip
+           "dropped_infra": 0, "refused_sampling": 0, "train_s": 3.0, "wait_s": 1.0}  # fmt: skip
     update(row)
     line = capsys.readouterr().out
     assert "rollout reward 0.88 (trained groups 0.50)" in line and "failed 2" in line
+
+
+def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer scores at grpo.temperature (0.9 here), untruncated: an episode sampled at
+    another temperature, or with top_p, is left out, counted and named; top_k 0 is vLLM's "off";
+    a model whose generation_config sets a temperature is read as vLLM reads it."""
+    settings = [{"temperature": 0.9}, {"temperature": 0.9, "top_k": 0}, {"temperature": 0.7},
+                {"temperature": 0.9, "top_p": 0.95}, {}]  # fmt: skip
+
+    async def main() -> tuple[Any, ...]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            for n, sampling in enumerate(settings):
+                await _episode(store, "g", n, "0", float(n % 2), sampling=sampling)
+            config = _config(tmp_path)
+            strict = GroupReader(config, store, LoopState(), "none", temperature=0.9)
+            with caplog.at_level(logging.WARNING, logger="rl_proxy.trainer"):
+                refused = await strict.prepare("g")
+            defaults = GroupReader(config, store, LoopState(), "none", 0.9, {"temperature": 0.9})
+            loose = _config(tmp_path, allow_truncated_sampling=True)
+            allowing = GroupReader(loose, store, LoopState(), "none", 0.9, {"temperature": 0.9})
+            return refused, strict.state, await defaults.prepare("g"), await allowing.prepare("g")
+
+    refused, state, with_defaults, allowing = asyncio.run(main())
+    assert refused is not None and refused[1] == [0.0, 1.0] and state.refused_sampling == 3
+    named = [r.getMessage() for r in caplog.records]
+    assert any("temperature 0.7" in m for m in named) and any("top_p 0.95" in m for m in named)
+    assert with_defaults is not None and with_defaults[1] == [0.0, 1.0, 0.0]  # the last one: 0.9 by default
+    assert allowing is not None and allowing[1] == [0.0, 1.0, 1.0, 0.0]
