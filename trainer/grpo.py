@@ -134,6 +134,7 @@ class Learner:
         self.model = self.trl.model
         self.device = self.trl.accelerator.device
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged"), 0.0)  # a step's, see `step`
 
     def inputs(self, samples: list[Sample], num_items: int | None = None) -> dict[str, Any]:
         """TRL's batch for these samples: prompts left-padded, completions right-padded, the
@@ -195,6 +196,10 @@ class Learner:
                 )
                 ratio = ratio.masked_fill(outside, 0.0)
             batch["importance_sampling_ratio"] = ratio
+            # What the correction changed: tokens, or whole sequences in the sequence modes.
+            judged = (mask if diff.size(1) > 1 else mask.sum(-1, keepdim=True)) > 0
+            self._sums["capped"] += float(((ratio != torch.exp(diff)) & judged).sum())
+            self._sums["judged"] += float(judged.sum())
         if trl.beta != 0.0:  # TRL keeps a frozen copy of the starting model as the reference
             with torch.no_grad():
                 ref, _, _ = trl._get_per_token_logps_and_entropies(
@@ -204,12 +209,31 @@ class Learner:
         return batch
 
     def loss(self, batch: dict[str, Any], accumulation: int = 1) -> Any:
-        """TRL's GRPO loss for one micro-batch of a step made of `accumulation` micro-batches."""
+        """TRL's GRPO loss for one micro-batch of a step made of `accumulation` micro-batches.
+        On the way, how far the trainer's logprobs of the sampled tokens are from the recorded
+        behaviour ones (TRL computes them first thing): summed into `_sums`."""
         trl = self.trl
         trl.use_vllm = self.args.vllm_importance_sampling_correction  # the samples come from vLLM
         trl.current_gradient_accumulation_steps = accumulation
         trl.args.steps_per_generation = accumulation
-        return trl.compute_loss(self.model, batch)
+        computed: list[Any] = []
+        own = trl._get_per_token_logps_and_entropies
+
+        def kept(*args: Any, **kwargs: Any) -> Any:
+            out = own(*args, **kwargs)
+            computed.append(out[0].detach())
+            return out
+
+        trl._get_per_token_logps_and_entropies = kept  # on this instance only, for this call
+        try:
+            loss = trl.compute_loss(self.model, batch)
+        finally:
+            del trl._get_per_token_logps_and_entropies
+        mask = batch["completion_mask"] * batch["tool_mask"]
+        gap = ((computed[0] - batch["sampling_per_token_logps"]).abs() * mask).nan_to_num(0.0)
+        self._sums["gap"] += float(gap.sum())
+        self._sums["tokens"] += float(mask.sum())
+        return loss
 
     def part_losses(self, samples: list[Sample]) -> Iterator[Any]:
         """The loss of each micro-batch of a step, weighted so that they add up to the loss of the
@@ -234,6 +258,7 @@ class Learner:
         self.model.train()
         trl._metrics["train"].clear()
         total = 0.0
+        self._sums = dict.fromkeys(self._sums, 0.0)
         for loss in self.part_losses(samples):
             trl.accelerator.backward(loss)
             total += float(loss.detach())
@@ -248,6 +273,10 @@ class Learner:
             "loss": total,
             "grad_norm": float(grad_norm),
             "learning_rate": trl.lr_scheduler.get_last_lr()[0],
+            # Off-policy mismatch: the mean |trainer - behaviour| logprob of the trained tokens
+            # (precision, sampling settings, staleness) and what the IS correction capped or masked.
+            "logprob_gap": self._sums["gap"] / max(self._sums["tokens"], 1.0),
+            **({"is_capped": self._sums["capped"] / self._sums["judged"]} if self._sums["judged"] else {}),
         }
 
     def _masked(self, sample: Sample) -> bool:

@@ -228,3 +228,35 @@ def test_a_resumed_policy_keeps_the_base_model_as_its_kl_reference(tiny_model: P
     for ref, original in zip(resumed.trl.ref_model.parameters(), base.parameters(), strict=True):
         torch.testing.assert_close(ref, original)
     assert resumed.step(_batch())["kl"] > 1e-4  # the policy has moved from the reference already
+
+
+@pytest.mark.parametrize("mode", [None, "token_truncate", "sequence_mask"])
+def test_a_step_logs_the_off_policy_gap_and_what_the_correction_capped(
+    tiny_model: Path, tmp_path: Path, mode: str | None
+) -> None:
+    """logprob_gap: the mean |trainer - behaviour| logprob over the trained tokens, as written out
+    here; is_capped (with the correction): the share of tokens, or sequences, it changed."""
+    grpo = _config("dapo", "token", mode)
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=3)
+    samples = _batch()
+    gaps, weights, ratios = [], [], []
+    with torch.no_grad():
+        for sample in samples:
+            seq, k = sample.sequence, sample.split
+            ids = torch.tensor(seq.input_ids)
+            logits = learner.model(ids[None]).logits[0, :-1].float() / grpo["temperature"]
+            logp = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0][k - 1 :]
+            mask = torch.tensor(seq.loss_mask[k:], dtype=torch.float)
+            diff = (logp - torch.tensor(seq.logprobs[k:])) * mask
+            gaps.append(diff.abs().sum())
+            weights.append(mask.sum())
+            ratios.append(torch.exp(diff.sum())[None] if mode == "sequence_mask" else torch.exp(diff)[mask > 0])
+    metrics = learner.step(samples)
+    assert metrics["logprob_gap"] == pytest.approx(float(sum(gaps) / sum(weights)), rel=1e-4)
+    if mode is None:
+        assert "is_capped" not in metrics
+    else:
+        every = torch.cat(ratios)
+        capped = ((every < 0.8) | (every > 1.25)).float().mean()
+        assert metrics["is_capped"] == pytest.approx(float(capped), abs=1e-6)
+        assert 0 < metrics["is_capped"] < 1  # some capped, some not: the batch is made so
