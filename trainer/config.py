@@ -41,7 +41,10 @@ class TrainSection(Strict):
         False, description="train on calls sampled with top_p, top_k, min_p or penalties (their ratios are off)"
     )
     micro_batch: int = Field(8, ge=1, description="sequences per forward/backward pass")
-    keep_versions: int = Field(2, ge=1, description="weight directories kept (the newest)")
+    keep_versions: int = Field(2, ge=1, description="weight directories kept (the newest, and the newest checkpoint)")
+    checkpoint_every: int = Field(
+        10, ge=1, description="steps between checkpoints to resume from (optimizer and loop state with the weights)"
+    )
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     grpo: dict[str, Any] = Field(default_factory=dict, description="TRL GRPOConfig fields")
 

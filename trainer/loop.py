@@ -6,9 +6,10 @@ back from the store by `GroupReader` (trainer/groups.py). In `async` mode rollou
 for the trainer: finished groups go into a bounded queue (`queue_groups`); when it is full,
 finished rollouts hold their slot, so no new rollout starts (back-pressure). In `sync` mode
 each step's groups are generated, then trained on, then the weights are swapped. Every
-`sync_every` steps the weights are saved to `out/versions/v<N>` (with the optimizer state and
-the loop's state: the checkpoint `--resume` starts from) and swapped into vLLM as version N.
-Metrics go to `out/metrics.jsonl` (and TensorBoard or W&B), the curves to `out/training.png`.
+`sync_every` steps the weights are saved to `out/versions/v<N>` and swapped into vLLM as version
+N; every `checkpoint_every` steps (and at the last) that version is also the checkpoint
+`--resume` starts from (the optimizer state and the loop's state go with it). Metrics go to
+`out/metrics.jsonl` (and TensorBoard or W&B), the curves to `out/training.png`.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class TrainLoop:
         self.weights = base_weights if state is None else self.out / "versions" / f"v{self.state.version}"
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
         self.pending: list[str] = []  # groups finished before a restart, taken first
+        self.checkpointed = self.state.step  # the step of the newest checkpoint to resume from
         self.metrics_file = self.out / "metrics.jsonl"
         self.started = time.monotonic()
         self.writers: list[Any] = []  # each gets every metrics row: TensorBoard, W&B, the display
@@ -137,10 +139,15 @@ class TrainLoop:
     # Weights
 
     async def swap(self, admin: Any) -> float:
-        """Save the weights as the next version and swap them into every vLLM; the pause."""
+        """Save the weights as the next version and swap them into every vLLM; the pause. Every
+        `checkpoint_every` steps (and at the last) the version is also a checkpoint to resume
+        from: the optimizer state and the loop's state go with it."""
         version = self.state.version + 1
         directory = self.out / "versions" / f"v{version}"
-        await self.in_learner(self.learner.save, directory)
+        resumable = (
+            self.state.step - self.checkpointed >= self.cfg.checkpoint_every or self.state.step >= self.cfg.steps
+        )
+        await self.in_learner(self.learner.save, directory, resumable)
 
         try:
             paused = await hot_swap(self.roots, directory, str(version), self.weights, lambda: refresh_version(admin))
@@ -149,11 +156,15 @@ class TrainLoop:
             raise
         self.state.version, self.weights = version, directory
         self.state.version_steps[str(version)] = self.state.step
-        self.state.save(directory / "state.json")
-        kept = sorted((d for d in (self.out / "versions").glob("v*") if d.name[1:].isdigit()),
-                      key=lambda d: int(d.name[1:]))[: -self.cfg.keep_versions]  # fmt: skip
-        for old in kept:
-            shutil.rmtree(old, ignore_errors=True)
+        if resumable:
+            self.state.save(directory / "state.json")
+            self.checkpointed = self.state.step
+        newest = latest_checkpoint(self.out)
+        older = sorted((d for d in (self.out / "versions").glob("v*") if d.name[1:].isdigit()),
+                       key=lambda d: int(d.name[1:]))[: -self.cfg.keep_versions]  # fmt: skip
+        for old in older:
+            if old != newest and old != self.weights:
+                shutil.rmtree(old, ignore_errors=True)
         return paused
 
     # Evaluation

@@ -1,6 +1,7 @@
 """`rl-proxy train` end to end on the real vLLM: the arithmetic example for one step, then
-resumed from its checkpoint for a second. The second run starts from the first's weights,
-optimizer and version, never trains a group twice, and swaps in version 2."""
+resumed from its checkpoint for two more. The second run starts from the first's weights,
+optimizer and version, never trains a group twice, swaps in versions 2 and 3, and keeps the
+optimizer only with its checkpoints."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from trainer.run import train
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
 
 
-def _config(tmp_path: Path, upstream: str, steps: int) -> TrainConfig:
+def _config(tmp_path: Path, upstream: str, steps: int, checkpoint_every: int = 10) -> TrainConfig:
     config = load_config(EXAMPLE / "train.yaml", TrainConfig)
     config.out = str(tmp_path / "run")
     config.episodes_per_task, config.concurrency = 4, 8
     config.proxy.upstream, config.proxy.vllm_args = upstream, []
     config.train = config.train.model_copy(update={"steps": steps, "groups_per_step": 1, "mode": "sync",
-                                                   "micro_batch": 4})  # fmt: skip
+                                                   "micro_batch": 4, "checkpoint_every": checkpoint_every})  # fmt: skip
     config.eval = None
     return config
 
@@ -44,21 +45,27 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path) -> None
     with pytest.raises(TrainError, match="--resume"):
         train(_config(tmp_path, vllm.url, steps=2), progress=False)
 
-    second = train(_config(tmp_path, vllm.url, steps=2), resume=True, progress=False)
-    assert (second["step"], second["version"]) == (2, 2)
+    second = train(_config(tmp_path, vllm.url, steps=3, checkpoint_every=2), resume=True, progress=False)
+    assert (second["step"], second["version"]) == (3, 3)
+    # Version 2 (step 2) went to vLLM as weights alone; step 3 (the last) is a checkpoint again,
+    # and the two newest versions are kept.
+    versions = out / "versions"
+    assert [(v, (versions / v).exists(), (versions / v / "optimizer.pt").exists()) for v in ("v1", "v2", "v3")] == [
+        ("v1", False, False), ("v2", True, False), ("v3", True, True)
+    ]  # fmt: skip
     assert second["consumed"][: len(state.consumed)] == state.consumed  # what the first run used, kept
     assert len(set(second["consumed"])) == len(second["consumed"])  # no group trained twice
-    assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "2"
+    assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "3"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1, 2, 3]
     assert (out / "training.png").stat().st_size > 0
 
-    # The second run's episodes were sampled by the resumed weights, version 1.
+    # The second run's episodes were sampled by the resumed weights (version 1), then version 2.
     sessions = read_store(str(out / "rl-proxy.db"), lambda s: s.list_sessions())
     new_groups = set(second["consumed"]) - set(state.consumed)
     resumed = [s.id for s in sessions if s.group_id in new_groups]
     calls = read_store(str(out / "rl-proxy.db"), lambda s: _calls(s, resumed))
-    assert calls and {c.policy_version for c in calls} == {"1"}
+    assert calls and {c.policy_version for c in calls} == {"1", "2"}
 
 
 async def _calls(store: Store, session_ids: list[str]) -> list[CallRecord]:
