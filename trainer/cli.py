@@ -94,11 +94,13 @@ def train(
         return "-" if value is None else f"{value:.0%}"
 
     console.print(
-        f"{result['step']} steps, policy version {result['version']}, {result['samples']} samples "
-        f"({result['tokens']} sampled tokens) in {result['seconds'] / 60:.1f} min\n"
+        f"{result['step']} steps ({result['mode']}), policy version {result['version']}, {result['samples']} "
+        f"samples ({result['tokens']} sampled tokens) in {result['seconds'] / 60:.1f} min\n"
         f"held-out success: {pct(result['before'])} before, {pct(result['after'])} after\n"
         f"groups skipped (equal rewards): {result['skipped_equal']}, stale episodes dropped: "
-        f"{result['dropped_stale']}, unscored episodes: {result['unscored']}\n"
+        f"{result['dropped_stale']}, failed episodes scored {result['failures_scored']}, dropped: "
+        f"{result['unscored']} unscored, {result['dropped_infra']} by the proxy or vLLM, "
+        f"{result['refused_sampling']} for their sampling settings\n"
         f"metrics: {result['metrics']}" + (f"\nplot: {result['plot']}" if result["plot"] else ""),
         highlight=False,
     )

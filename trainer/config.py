@@ -5,7 +5,8 @@ harness_adapters/examples/arithmetic/train.yaml.
     train:
       steps: 30
       groups_per_step: 4        # GRPO groups (one task, episodes_per_task episodes) per step
-      mode: async               # async: rollouts go on while training; sync: generate, train, repeat
+      mode: auto                # async: rollouts go on while training; sync: generate, train, repeat;
+                                # auto: async with a GPU, sync on CPU (faster there)
       max_staleness: 1          # optimizer steps a sample's policy may lag behind; older ones are dropped
       queue_groups: 4           # finished groups waiting for the trainer; more blocks rollouts
       sync_every: 1             # optimizer steps between weight swaps into vLLM
@@ -31,7 +32,7 @@ from trainer.grpo import GRPO_KEYS, grpo_fields
 class TrainSection(Strict):
     steps: int = Field(20, ge=1)
     groups_per_step: int = Field(4, ge=1)
-    mode: Literal["async", "sync"] = "async"
+    mode: Literal["auto", "async", "sync"] = "auto"
     max_staleness: int = Field(1, ge=0)
     queue_groups: int = Field(4, ge=1, description="finished groups the trainer has not taken; more wait")
     sync_every: int = Field(1, ge=1)

@@ -101,6 +101,9 @@ class TrainLoop:
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
         self.pending: list[str] = []  # groups finished before a restart, taken first
         self.checkpointed = self.state.step  # the step of the newest checkpoint to resume from
+        # auto: async where the learner has a GPU; on CPU the learner and the rollouts share the
+        # cores, and generating then training measured faster (docs/training.md).
+        self.mode = self.cfg.mode if self.cfg.mode != "auto" else "async" if learner.device.type == "cuda" else "sync"
         self.metrics_file = self.out / "metrics.jsonl"
         self.started = time.monotonic()
         self.writers: list[Any] = []  # each gets every metrics row: TensorBoard, W&B, the display
@@ -120,7 +123,7 @@ class TrainLoop:
         while groups < self.cfg.groups_per_step:
             if self.pending:
                 taken = [self.pending.pop(0)]
-            elif self.cfg.mode == "async":
+            elif self.mode == "async":
                 taken = [await self.queue.get()]
             else:
                 taken = await self.rollouts.groups(admin, self.cfg.groups_per_step - groups)
@@ -194,7 +197,7 @@ class TrainLoop:
         async with self.rollouts.runner.admin() as admin:
             self.pending = await self.groups.leftovers()
             producer = None
-            if self.cfg.mode == "async":
+            if self.mode == "async":
                 producer = asyncio.create_task(self.rollouts.fill(admin, self.queue, self.config.concurrency))
             try:
                 while self.state.step < self.cfg.steps:
@@ -204,7 +207,8 @@ class TrainLoop:
                     producer.cancel()
                     await asyncio.gather(producer, return_exceptions=True)
         after = await self.evaluate(eval_runner, eval_tasks)
-        return {"before": before, "after": after, "seconds": time.monotonic() - self.started, **asdict(self.state)}
+        seconds = time.monotonic() - self.started
+        return {"before": before, "after": after, "seconds": seconds, "mode": self.mode, **asdict(self.state)}
 
     async def step(self, admin: Any, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> None:
         start = time.monotonic()

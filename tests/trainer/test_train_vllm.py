@@ -23,13 +23,19 @@ from trainer.run import train
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
 
 
-def _config(tmp_path: Path, upstream: str, steps: int, checkpoint_every: int = 10) -> TrainConfig:
+def _config(tmp_path: Path, upstream: str, steps: int, checkpoint_every: int = 10, mode: str = "auto") -> TrainConfig:
     config = load_config(EXAMPLE / "train.yaml", TrainConfig)
     config.out = str(tmp_path / "run")
     config.episodes_per_task, config.concurrency = 4, 8
     config.proxy.upstream, config.proxy.vllm_args = upstream, []
-    config.train = config.train.model_copy(update={"steps": steps, "groups_per_step": 1, "mode": "sync",
-                                                   "micro_batch": 4, "checkpoint_every": checkpoint_every})  # fmt: skip
+    update = {
+        "steps": steps,
+        "groups_per_step": 1,
+        "micro_batch": 4,
+        "checkpoint_every": checkpoint_every,
+        "mode": mode,
+    }
+    config.train = config.train.model_copy(update=update)
     config.eval = None
     return config
 
@@ -45,8 +51,10 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path) -> None
     with pytest.raises(TrainError, match="--resume"):
         train(_config(tmp_path, vllm.url, steps=2), progress=False)
 
-    second = train(_config(tmp_path, vllm.url, steps=3, checkpoint_every=2), resume=True, progress=False)
-    assert (second["step"], second["version"]) == (3, 3)
+    # Resumed in async mode (the first ran sync; auto picks sync on CPU): both paths run.
+    second = train(_config(tmp_path, vllm.url, steps=3, checkpoint_every=2, mode="async"), resume=True,
+                   progress=False)  # fmt: skip
+    assert (second["step"], second["version"], second["mode"], first["mode"]) == (3, 3, "async", "sync")
     # Version 2 (step 2) went to vLLM as weights alone; step 3 (the last) is a checkpoint again,
     # and the two newest versions are kept.
     versions = out / "versions"
@@ -65,7 +73,7 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path) -> None
     new_groups = set(second["consumed"]) - set(state.consumed)
     resumed = [s.id for s in sessions if s.group_id in new_groups]
     calls = read_store(str(out / "rl-proxy.db"), lambda s: _calls(s, resumed))
-    assert calls and {c.policy_version for c in calls} == {"1", "2"}
+    assert calls and "1" in {c.policy_version for c in calls} <= {"1", "2"}
 
 
 async def _calls(store: Store, session_ids: list[str]) -> list[CallRecord]:
