@@ -31,6 +31,7 @@ class Span:
     version: str | None
     version_end: str | None
     reward: float | None = None  # posted for this call alone, if any
+    choice: int = 0  # which of the call's choices (n > 1) was sampled here
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class _Chain:
     truncated: bool = False
     request: dict[str, Any] = field(default_factory=dict)
 
+    def copy(self) -> _Chain:
+        return replace(self, ids=list(self.ids), mask=list(self.mask), logprobs=list(self.logprobs),
+                       spans=list(self.spans))  # fmt: skip
+
     def extend(self, call: CallRecord, completion: Completion, reward: float | None) -> None:
         prompt_part = call.prompt_token_ids[len(self.ids) :]
         self.ids += prompt_part
@@ -104,7 +109,9 @@ class _Chain:
         self.ids += completion.token_ids
         self.mask += [1] * len(completion.token_ids)
         self.logprobs += completion.logprobs
-        self.spans.append(Span(start, len(self.ids), call.seq, call.policy_version, call.policy_version_end, reward))
+        self.spans.append(
+            Span(start, len(self.ids), call.seq, call.policy_version, call.policy_version_end, reward, completion.index)
+        )
         self.truncated = completion.finish_reason == "length"
         self.request = call.request
 
@@ -189,12 +196,13 @@ def build_sequences(
                 breaks.append(_break(call, previous, prompts))
             chain = _Chain()
             chains.append(chain)
+        fork = chain.copy() if len(call.completions) > 1 else chain
         chain.extend(call, completion, call_rewards.get(call.seq))
         prompts.add(tuple(call.prompt_token_ids))
         previous = chain
-        for extra in call.completions[1:]:  # other choices of the same prompt: each its own
+        for extra in call.completions[1:]:  # other choices of the same prompt: each a fork of the chain
             if extra.token_ids and len(extra.logprobs) == len(extra.token_ids):
-                alternative = _Chain()
+                alternative = fork.copy()
                 alternative.extend(call, extra, call_rewards.get(call.seq))
                 chains.append(alternative)
                 unmerged += len(call.prompt_token_ids) + len(extra.token_ids)

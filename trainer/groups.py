@@ -21,7 +21,7 @@ from typing import Any
 
 from recorder.records import SessionInfo
 from recorder.store import Store
-from recorder.trajectories import build_sequences
+from recorder.trajectories import TrainingSequence, build_sequences
 from trainer.config import TrainConfig
 from trainer.grpo import Sample, advantages
 
@@ -67,6 +67,14 @@ class LoopState:
     @classmethod
     def load(cls, path: Path) -> LoopState:
         return cls(**json.loads(path.read_text()))
+
+
+def continued(sequences: list[TrainingSequence]) -> list[TrainingSequence]:
+    """The sequences of the choices the episode went on with. A call with several choices (n > 1)
+    forks its chain, and only the choice a later call continued (or, at the episode's end, the
+    first) produced the outcome the episode's reward is for: the other branches are dropped."""
+    chosen = {span.seq: span.choice for q in sequences for span in q.spans[:-1]}  # followed by a later call
+    return [q for q in sequences if all(span.choice == chosen.get(span.seq, 0) for span in q.spans)]
 
 
 def version_number(version: str | None) -> int:
@@ -126,7 +134,7 @@ class GroupReader:
                 continue
             scored += 1
             report = build_sequences(calls, s)  # per-call rewards are not used by GRPO here
-            sequences = [q for q in report.sequences if q.sampled_tokens]
+            sequences = continued([q for q in report.sequences if q.sampled_tokens])
             if not sequences:
                 self.state.unscored += 1
                 continue

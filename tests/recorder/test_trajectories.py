@@ -121,3 +121,17 @@ def test_extra_choices_become_their_own_sequences() -> None:
     )
     report = build_sequences([two, call(2, [1, 2, 10, 3], [11])])
     assert [s.input_ids for s in report.sequences] == [[1, 2, 10, 3, 11], [1, 2, 20, 21]]
+    assert [[(span.seq, span.choice) for span in s.spans] for s in report.sequences] == [[(1, 0), (2, 0)], [(1, 1)]]
+
+
+def test_an_extra_choice_forks_the_chain_with_its_earlier_turns() -> None:
+    """Call 2 samples two choices; call 3 continues the second: both branches keep call 1's
+    sampled turn, and the one call 3 extends is the second choice's."""
+    second = call(2, [1, 2, 10, 3], [11])
+    second = CallRecord(**{**second.__dict__, "completions": [*second.completions,
+                                                              Completion(1, [20], [-1.0], "stop")]})  # fmt: skip
+    report = build_sequences([call(1, [1, 2], [10]), second, call(3, [1, 2, 10, 3, 20, 4], [12])])
+    first_choice, continued = report.sequences
+    assert first_choice.input_ids == [1, 2, 10, 3, 11] and first_choice.loss_mask == [0, 0, 1, 0, 1]
+    assert continued.input_ids == [1, 2, 10, 3, 20, 4, 12] and continued.loss_mask == [0, 0, 1, 0, 1, 0, 1]
+    assert [(span.seq, span.choice) for span in continued.spans] == [(1, 0), (2, 1), (3, 0)]

@@ -263,3 +263,21 @@ def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
     assert any("temperature 0.7" in m for m in named) and any("top_p 0.95" in m for m in named)
     assert with_defaults is not None and with_defaults[1] == [0.0, 1.0, 0.0]  # the last one: 0.9 by default
     assert allowing is not None and allowing[1] == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_only_the_choice_an_episode_continued_is_trained() -> None:
+    """n > 1: call 2 sampled two choices and call 3 went on from the second; the first choice's
+    branch did not produce the episode's outcome. At the episode's last call, the first choice
+    is the answer."""
+    from recorder.trajectories import build_sequences
+    from trainer.groups import continued
+
+    def made(seq: int, prompt: list[int], *choices: list[int]) -> CallRecord:
+        return CallRecord(session_id="s", seq=seq, api="chat.completions", model="m", upstream="u", stream=False,
+                          request={}, response=None, ok=True, http_status=200, error=None, prompt_token_ids=prompt,
+                          completions=[Completion(i, c, [-0.5] * len(c), "stop") for i, c in enumerate(choices)],
+                          policy_version="0", policy_version_end="0", started_at=T0, finished_at=T0)  # fmt: skip
+
+    calls = [made(1, [1, 2], [10]), made(2, [1, 2, 10, 3], [11], [20]), made(3, [1, 2, 10, 3, 20, 4], [12], [30])]
+    kept = continued(build_sequences(calls).sequences)
+    assert [[(span.seq, span.choice) for span in q.spans] for q in kept] == [[(1, 0), (2, 1), (3, 0)]]
