@@ -57,6 +57,7 @@ class EpisodeRunner:
     timeout: float = 600.0
     concurrency: int = 4
     admin_token: str | None = None
+    sampling: dict[str, Any] | None = None  # set by the proxy on every call, whatever the harness asks
 
     def admin(self) -> httpx.AsyncClient:
         """A client of the proxy's admin API (use it in `async with`)."""
@@ -85,8 +86,9 @@ class EpisodeRunner:
     async def episode(self, admin: httpx.AsyncClient, task: Task, n: int, group: str | None = None) -> EpisodeResult:
         """One episode, in the GRPO group `group` (default: run/task)."""
         group = group or f"{self.run}/{task.id}"
-        created = await admin.post("/admin/sessions", json={"run": self.run, "task_id": task.id, "group_id": group,
-                                                            "metadata": {"episode": n}})  # fmt: skip
+        asked = {"run": self.run, "task_id": task.id, "group_id": group, "metadata": {"episode": n},
+                 "sampling": self.sampling}  # fmt: skip
+        created = await admin.post("/admin/sessions", json=asked)
         created.raise_for_status()
         session = created.json()
         workdir = self.workdir / session["id"]

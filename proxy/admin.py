@@ -36,12 +36,23 @@ Label = Annotated[str, Field(max_length=256, pattern=r"^[^\x00]*$")]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_storable)]
 
 
+class Sampling(BaseModel, extra="forbid"):
+    """Sampling settings the proxy sets on every call of a session, whatever the harness asks
+    (an evaluation at temperature 0 through an unchanged harness, say)."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+
+
 class SessionCreate(BaseModel):
     id: Label | None = None
     run: Label | None = None
     task_id: Label | None = None
     group_id: Label | None = None
     metadata: JsonObject = Field(default_factory=dict)
+    sampling: Sampling | None = None
 
 
 class RewardIn(BaseModel):
@@ -137,7 +148,7 @@ async def create_session(body: SessionCreate, request: Request) -> dict[str, Any
         run=body.run,
         task_id=body.task_id,
         group_id=body.group_id,
-        metadata=body.metadata,
+        metadata=body.metadata | ({"sampling": body.sampling.model_dump(exclude_none=True)} if body.sampling else {}),
     )
     try:
         created = await _state(request).store.create_session(info)

@@ -119,7 +119,7 @@ async def messages(request: Request) -> Response:
     if stream:
         chat["stream_options"] = {"include_usage": True}
     call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
-    call.rewrites = await fit_to_backend(state, chat)
+    call.rewrites = await fit_to_backend(state, chat, session)
     await call.plan_prompt(chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)

@@ -318,11 +318,16 @@ def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -
         body["logprobs"] = 0
 
 
-async def fit_to_backend(state: ProxyState, body: dict[str, Any]) -> dict[str, Any]:
-    """Map the requested model to a served one and cap the completion length, in the upstream
-    body (the recorded request stays as the client sent it); return the changes made."""
+async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: SessionInfo | None = None) -> dict[str, Any]:
+    """Map the requested model to a served one, cap the completion length and set the session's
+    own sampling settings (admin API), in the upstream body (the recorded request stays as the
+    client sent it); return the changes made."""
     settings = state.settings
     rewrites: dict[str, Any] = {}
+    for name, value in ((session.metadata.get("sampling") if session else None) or {}).items():
+        if body.get(name) != value:
+            rewrites[name] = [body.get(name), value]
+            body[name] = value
     served = await state.upstreams.first.served_models()
     model = body.get("model")
     policy = settings.policy_model or next(iter(served), None)

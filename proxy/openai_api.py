@@ -107,7 +107,7 @@ async def forward(request: Request, api: Api) -> Response:
     keep_usage = bool(options.get("include_usage"))
     if stream:  # the usage chunk lets the capture check its own count
         upstream_body["stream_options"] = {**options, "include_usage": True}
-    call.rewrites = await fit_to_backend(state, upstream_body)
+    call.rewrites = await fit_to_backend(state, upstream_body, session)
     if api.chat:
         await call.plan_prompt(upstream_body)
     try:

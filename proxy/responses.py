@@ -200,7 +200,7 @@ async def responses(request: Request) -> Response:
     call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
     call.response_id = f"resp_{uuid.uuid4().hex}"
     call.on_recorded = request.app.state.recent_responses.remember
-    call.rewrites = await fit_to_backend(state, chat)
+    call.rewrites = await fit_to_backend(state, chat, session)
     await call.plan_prompt(chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)

@@ -96,7 +96,8 @@ def train(
     console.print(
         f"{result['step']} steps ({result['mode']}), policy version {result['version']}, {result['samples']} "
         f"samples ({result['tokens']} sampled tokens) in {result['seconds'] / 60:.1f} min\n"
-        f"held-out success: {pct(result['before'])} before, {pct(result['after'])} after\n"
+        f"held-out success, sampled: {pct(result['before'])} before, {pct(result['after'])} after; greedy: "
+        f"{pct(result['before_greedy'])} before, {pct(result['after_greedy'])} after (seed {result['seed']})\n"
         f"groups skipped (equal rewards): {result['skipped_equal']}, stale episodes dropped: "
         f"{result['dropped_stale']}, failed episodes scored {result['failures_scored']}, dropped: "
         f"{result['unscored']} unscored, {result['dropped_infra']} by the proxy or vLLM, "

@@ -31,7 +31,6 @@ NEUTRAL_SAMPLING: dict[str, Any] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0,
 }  # fmt: skip
-SAME: dict[str, tuple[Any, ...]] = {k: (v, 0) if k == "top_k" else (v,) for k, v in NEUTRAL_SAMPLING.items()}
 
 log = logging.getLogger("rl_proxy.trainer")
 
@@ -138,8 +137,11 @@ class GroupReader:
             if not sequences:
                 self.state.unscored += 1
                 continue
-            lag = self.state.step - min(self.state.made_at(span.version) for q in sequences for span in q.spans)
-            if lag > self.cfg.max_staleness:
+            versions = {span.version for q in sequences for span in q.spans}
+            lag = self.state.step - min(self.state.made_at(v) for v in versions)
+            # A version newer than the serving one was made after the checkpoint a run resumed
+            # from: weights that no longer exist.
+            if lag > self.cfg.max_staleness or any(version_number(v) > self.state.version for v in versions):
                 self.state.dropped_stale += 1
                 continue
             kept.append((reward, sequences, lag))
@@ -172,12 +174,14 @@ class GroupReader:
         the logprobs of the distribution it sampled from (after temperature, top-p, top-k,
         penalties), and the trainer scores its tokens at one temperature, untruncated."""
         for call in calls:
-            asked = {k: call.request.get(k) for k in NEUTRAL_SAMPLING}
+            # What the upstream was sent: the request, or what the proxy set instead (a session's sampling).
+            asked = {k: call.rewrites[k][1] if k in call.rewrites else call.request.get(k) for k in NEUTRAL_SAMPLING}
             used = {k: self.defaults[k] if v is None else v for k, v in asked.items()}
             if abs(float(used["temperature"]) - self.temperature) > 1e-6:
                 return (f"call {call.seq} sampled at temperature {used['temperature']}, and the trainer scores at "
                         f"{self.temperature} (grpo.temperature)")  # fmt: skip
-            changed = [f"{k} {v}" for k, v in used.items() if k != "temperature" and v not in SAME[k]]
+            changed = [f"{k} {v}" for k, v in used.items()
+                       if k != "temperature" and v != NEUTRAL_SAMPLING[k] and (k, v) != ("top_k", 0)]  # fmt: skip
             if changed and not self.cfg.allow_truncated_sampling:
                 return (f"call {call.seq} sampled with {', '.join(changed)}: the trainer scores the whole "
                         "distribution (train.allow_truncated_sampling accepts such calls)")  # fmt: skip

@@ -244,13 +244,13 @@ class Learner:
         num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
         for part in parts:
             batch = self.inputs(part, num_items)
-            if self.args.loss_type in ("dapo", "cispo", "vespo"):
-                share = 1 / len(parts)  # undone below: TRL's own normalizer is already the whole batch's
-            elif self.args.loss_type == "bnpo":  # a mean over tokens
-                share = float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
-            else:  # a mean over sequences
-                share = len(part) / len(samples)
-            yield self.loss(batch, len(parts)) * share * len(parts)
+            if self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
+                weight = 1.0
+            elif self.args.loss_type == "bnpo":  # a mean over the part's tokens
+                weight = len(parts) * float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
+            else:  # a mean over the part's sequences
+                weight = len(parts) * len(part) / len(samples)
+            yield self.loss(batch, len(parts)) * weight
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on these samples (in micro-batches); TRL's metrics for it."""

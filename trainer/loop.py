@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -172,15 +172,19 @@ class TrainLoop:
 
     # Evaluation
 
-    async def evaluate(self, eval_runner: EpisodeRunner | None, tasks: list[Task]) -> float | None:
-        """Success rate on the evaluation tasks under the weights now serving."""
+    async def evaluate(self, eval_runner: EpisodeRunner | None, tasks: list[Task]) -> tuple[float | None, float | None]:
+        """Success rate on the evaluation tasks under the weights now serving: as the harness
+        samples, `episodes_per_task` times, and greedy (the proxy sets temperature 0), once."""
         if eval_runner is None or self.config.eval is None:
-            return None
-        success = await success_rate(
-            eval_runner, tasks, self.config.eval.episodes_per_task, self.rollouts.limit, self.config.success_at
-        )
-        self.write({"step": self.state.step, "version": self.state.version, "heldout_success": success})
-        return success
+            return None, None
+        greedy = replace(eval_runner, run=f"{eval_runner.run}-greedy", workdir=eval_runner.workdir / "greedy",
+                         sampling={"temperature": 0.0})  # fmt: skip
+        limit, at = self.rollouts.limit, self.config.success_at
+        sampled = await success_rate(eval_runner, tasks, self.config.eval.episodes_per_task, limit, at)
+        greedy_success = await success_rate(greedy, tasks, 1, limit, at)
+        self.write({"step": self.state.step, "version": self.state.version, "heldout_success": sampled,
+                    "heldout_success_greedy": greedy_success, "seed": self.learner.args.seed})  # fmt: skip
+        return sampled, greedy_success
 
     # The loop
 
@@ -193,7 +197,7 @@ class TrainLoop:
 
     async def run(self, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
-        before = await self.evaluate(eval_runner, eval_tasks) if self.state.step == 0 else None
+        before = await self.evaluate(eval_runner, eval_tasks) if self.state.step == 0 else (None, None)
         async with self.rollouts.runner.admin() as admin:
             self.pending = await self.groups.leftovers()
             producer = None
@@ -208,7 +212,9 @@ class TrainLoop:
                     await asyncio.gather(producer, return_exceptions=True)
         after = await self.evaluate(eval_runner, eval_tasks)
         seconds = time.monotonic() - self.started
-        return {"before": before, "after": after, "seconds": seconds, "mode": self.mode, **asdict(self.state)}
+        return {"before": before[0], "after": after[0], "before_greedy": before[1], "after_greedy": after[1],
+                "seed": self.learner.args.seed, "seconds": seconds, "mode": self.mode,
+                **asdict(self.state)}  # fmt: skip
 
     async def step(self, admin: Any, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> None:
         start = time.monotonic()
@@ -259,7 +265,9 @@ def plot(metrics_file: Path, out: Path) -> Path | None:
     ax.plot([r["step"] for r in steps], [r["reward"] for r in steps], label="trained groups' reward", alpha=0.5)
     rollouts = [r for r in steps if r.get("rollout_reward") is not None]
     ax.plot([r["step"] for r in rollouts], [r["rollout_reward"] for r in rollouts], label="rollout reward (last 64)")
-    ax.plot([r["step"] for r in evals], [r["heldout_success"] for r in evals], "o-", label="held-out success")
+    ax.plot([r["step"] for r in evals], [r["heldout_success"] for r in evals], "o-", label="held-out success, sampled")
+    greedy = [r for r in evals if r.get("heldout_success_greedy") is not None]
+    ax.plot([r["step"] for r in greedy], [r["heldout_success_greedy"] for r in greedy], "s--", label="held-out, greedy")
     ax.set_xlabel("step")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)

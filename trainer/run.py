@@ -64,7 +64,8 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
 
     def update(row: dict[str, Any]) -> None:
         if "heldout_success" in row:
-            bar.console.print(f"held-out success at step {row['step']}: {row['heldout_success']:.0%}")
+            bar.console.print(f"held-out success at step {row['step']}: {row['heldout_success']:.0%} sampled, "
+                              f"{row['heldout_success_greedy']:.0%} greedy")  # fmt: skip
             return
         rollouts = "-" if row["rollout_reward"] is None else f"{row['rollout_reward']:.2f}"
         line = (f"v{row['version']} rollout reward {rollouts} (trained groups {row['reward']:.2f}) "

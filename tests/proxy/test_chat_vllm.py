@@ -279,3 +279,23 @@ def test_n_choices_recorded_each_and_n_over_the_limit_refused(make_proxy: Any, v
     assert call.ok and [c.index for c in call.completions] == [0, 1, 2]
     assert [c["message"]["content"] for c in call.response["choices"]] == [c.message.content for c in reply.choices]
     assert all(0 < len(c.token_ids) == len(c.logprobs) <= 6 for c in call.completions)
+
+
+def test_a_session_created_with_sampling_settings_is_sampled_so_whatever_the_harness_asks(
+    proxy: RunningProxy, vllm: Upstream
+) -> None:
+    """The admin API's `sampling` (how the trainer evaluates greedy through an unchanged harness):
+    a harness asking for temperature 1.5 gets vLLM's greedy answer, every time, and the record
+    keeps its request with the change beside it. Settings the proxy does not set are refused."""
+    created = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"temperature": 0, "seed": 3}})
+    key = created.json()["key"]
+    client = OpenAI(base_url=proxy.v1, api_key=key, max_retries=0)
+    answers = [client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=16, temperature=1.5)
+               for _ in range(2)]  # fmt: skip
+    greedy = direct_chat(vllm, messages=ASK, max_tokens=16, temperature=0)
+    assert [a.choices[0].message.content for a in answers] == [greedy["choices"][0]["message"]["content"]] * 2
+    for call in proxy.calls(created.json()["id"]):
+        assert call.request["temperature"] == 1.5 and call.rewrites["temperature"] == [1.5, 0.0]
+        assert call.rewrites["seed"] == [None, 3]
+    refused = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"min_tokens": 5}})
+    assert refused.status_code == 400 and "min_tokens" in refused.text

@@ -207,18 +207,19 @@ def test_crashed_and_timed_out_episodes_are_scored_and_infrastructure_failures_d
 
 def test_staleness_counts_optimizer_steps_not_swaps(tmp_path: Path) -> None:
     """Swaps every 2 steps: at step 4 (version 2), an episode of version 1 (made at step 2) is 2
-    steps old, one of version 2 is fresh; max_staleness 1 drops the first."""
+    steps old, one of version 2 is fresh; max_staleness 1 drops the first. One of version 3, made
+    after the checkpoint this run resumed from (weights that no longer exist), is dropped too."""
 
     async def main() -> tuple[Any, LoopState]:
         async with Store(str(tmp_path / "s.db")) as store:
-            for n, (version, reward) in enumerate([("1", 1.0), ("2", 0.0), ("2", 1.0)]):
+            for n, (version, reward) in enumerate([("1", 1.0), ("2", 0.0), ("2", 1.0), ("3", 0.0)]):
                 await _episode(store, "g", n, version, reward)
             state = LoopState(step=4, version=2, version_steps={"1": 2, "2": 4})
             loop = _loop(tmp_path, store, state, max_staleness=1)
             return await loop.prepare("g"), loop.state
 
     prepared, state = asyncio.run(main())
-    assert prepared is not None and prepared[1:] == ([0.0, 1.0], [0, 0]) and state.dropped_stale == 1
+    assert prepared is not None and prepared[1:] == ([0.0, 1.0], [0, 0]) and state.dropped_stale == 2
 
 
 def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixture[str]) -> None:
