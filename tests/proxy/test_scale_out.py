@@ -43,8 +43,9 @@ def test_sessions_are_pinned_and_moved_off_a_dead_upstream(make_proxy: Any) -> N
     before = served_by(proxy)
     assert all(len(ups) == 1 for ups in before.values())  # pinned: every call of a session on one server
     home = {s: next(iter(before[s])) for s in sessions}
-    assert set(home.values()) == set(urls)  # spread over all three
-    assert min(list(home.values()).count(u) for u in urls) >= 3
+    # Spread over all three (the ports are new each run, so is the spread: that 24 sessions leave
+    # one server with fewer than 3 happened 1.5% of the time, and is no fault).
+    assert set(home.values()) == set(urls)
 
     servers[0].__exit__(None, None, None)  # the first server dies
     assert all(ask(proxy, s).status_code == 200 for s in sessions)  # no call fails
