@@ -88,6 +88,79 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def length_buckets(lengths: Sequence[int], most: int, overhead: int = 16) -> list[list[int]]:
+    """The rows (indices into `lengths`) split into forward passes of at most `most` rows, each
+    padded to its longest, so that the padded tokens plus `overhead` per pass are fewest: sorted
+    by length, the best cut points by dynamic programming (a handful of rows per group)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    cost = [0.0] + [math.inf] * len(order)  # cost[j]: the best split of the j shortest rows
+    cut = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(max(0, j - most), j):  # rows i..j-1 in one pass, padded to row j-1's length
+            c = cost[i] + (j - i) * lengths[order[j - 1]] + overhead
+            if c < cost[j]:
+                cost[j], cut[j] = c, i
+    passes, j = [], len(order)
+    while j:
+        passes.append(order[cut[j] : j])
+        j = cut[j]
+    return passes[::-1]
+
+
+def shared_prefix_logps(
+    model: Any,
+    input_ids: Any,
+    attention_mask: Any,
+    keep: int,
+    accelerator: Any,
+    batch_size: int | None = None,
+    compute_entropy: bool = False,
+) -> tuple[Any, Any]:
+    """Per-token logprobs (and entropies) of the last `keep` columns of a TRL batch (prompts
+    left-padded, completions right-padded), as TRL's fused LM head gives them, with each prompt
+    run once for all the rows that share it: its keys and values are computed once (gradients
+    flow back through them from every row) and the rows run only their completions, in passes of
+    like lengths (`length_buckets`) instead of padded to the longest. A GRPO group's rows share
+    their prompt (system, demo, task), most of each sequence in the example. Positions are those
+    vLLM sampled at (no left padding)."""
+    import torch
+    from transformers import DynamicCache
+
+    width = input_ids.size(1) - keep
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row in range(input_ids.size(0)):
+        prompt = input_ids[row, :width][attention_mask[row, :width].bool()]
+        groups.setdefault(tuple(prompt.tolist()), []).append(row)
+    # Up to the last attended column (at least one, so that a row wholly masked stays in the graph).
+    lengths = (attention_mask[:, width:].cumsum(1).argmax(1) + 1).tolist()
+    rows_done, logps, entropies = [], [], []
+    unwrapped = accelerator.unwrap_model(model)
+    for prompt, rows in groups.items():
+        head = torch.tensor([prompt[:-1]], device=input_ids.device)
+        cache = DynamicCache(config=unwrapped.config)
+        if head.size(1):  # the prompt but its last token, whose output scores the first sampled one
+            with accelerator.autocast():
+                unwrapped.base_model(input_ids=head, past_key_values=cache, use_cache=True)
+        for bucket in length_buckets([lengths[r] for r in rows], batch_size or len(rows)):
+            part = [rows[i] for i in bucket]
+            used = max(lengths[r] for r in part)
+            tail = attention_mask[part, width : width + used]
+            ids = torch.cat([input_ids.new_full((len(part), 1), prompt[-1]), input_ids[part, width : width + used]], 1)
+            mask = torch.cat([tail.new_ones(len(part), len(prompt)), tail], 1)
+            labels = ids.masked_fill(mask[:, -ids.size(1) :] == 0, -100)
+            labels[:, 0] = -100
+            kv = [(k.expand(len(part), -1, -1, -1), v.expand(len(part), -1, -1, -1)) for k, v, *_ in cache]
+            shared = DynamicCache(kv if head.size(1) else None, config=unwrapped.config)
+            with accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=mask, past_key_values=shared, labels=labels,
+                            fused_lm_head=True)  # fmt: skip
+            rows_done += part
+            logps.append(torch.nn.functional.pad(out.log_probs, (0, keep - used)))
+            entropies.append(torch.nn.functional.pad(out.entropy, (0, keep - used)) if compute_entropy else None)
+    order = torch.tensor(rows_done, device=input_ids.device).argsort()  # back to the batch's rows
+    return torch.cat(logps)[order], torch.cat(entropies)[order] if compute_entropy else None
+
+
 class Learner:
     """The policy being trained: TRL's GRPOTrainer, fed batches of recorded samples."""
 
@@ -135,6 +208,11 @@ class Learner:
         self.device = self.trl.accelerator.device
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged"), 0.0)  # a step's, see `step`
+        self._computed: list[Any] = []  # the policy's logprobs of the micro-batch in `loss`
+        # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
+        # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
+        self.shared_prefix = True
+        self.trl._get_per_token_logps_and_entropies = self.logps
 
     def inputs(self, samples: list[Sample], num_items: int | None = None) -> dict[str, Any]:
         """TRL's batch for these samples: prompts left-padded, completions right-padded, the
@@ -216,31 +294,57 @@ class Learner:
         trl.use_vllm = self.args.vllm_importance_sampling_correction  # the samples come from vLLM
         trl.current_gradient_accumulation_steps = accumulation
         trl.args.steps_per_generation = accumulation
-        computed: list[Any] = []
-        own = trl._get_per_token_logps_and_entropies
-
-        def kept(*args: Any, **kwargs: Any) -> Any:
-            out = own(*args, **kwargs)
-            computed.append(out[0].detach())
-            return out
-
-        trl._get_per_token_logps_and_entropies = kept  # on this instance only, for this call
-        try:
-            loss = trl.compute_loss(self.model, batch)
-        finally:
-            del trl._get_per_token_logps_and_entropies
+        self._computed.clear()
+        loss = trl.compute_loss(self.model, batch)
         mask = batch["completion_mask"] * batch["tool_mask"]
-        gap = ((computed[0] - batch["sampling_per_token_logps"]).abs() * mask).nan_to_num(0.0)
+        gap = ((self._computed[0] - batch["sampling_per_token_logps"]).abs() * mask).nan_to_num(0.0)
         self._sums["gap"] += float(gap.sum())
         self._sums["tokens"] += float(mask.sum())
         return loss
+
+    def logps(
+        self,
+        model: Any,
+        input_ids: Any,
+        attention_mask: Any,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[Any, Any, Any]:
+        """TRL's `_get_per_token_logps_and_entropies` (it stands in for it on the TRL instance),
+        with the prompt that several rows share run once (`shared_prefix`); the policy's
+        logprobs are kept for the step's off-policy gap."""
+        from trl import GRPOTrainer
+
+        plain = (
+            not self.shared_prefix
+            or compute_aux_loss
+            or any(v is not None for v in multimodal.values())
+            or getattr(model, "is_gradient_checkpointing", False)  # would run the prefix's cache twice
+        )
+        if plain:
+            out = GRPOTrainer._get_per_token_logps_and_entropies(
+                self.trl, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal,
+            )  # fmt: skip
+        else:
+            out = (*shared_prefix_logps(model, input_ids, attention_mask, logits_to_keep, self.trl.accelerator,
+                                        batch_size, compute_entropy), None)  # fmt: skip
+        if model is self.model:
+            self._computed.append(out[0].detach())
+        return out
 
     def part_losses(self, samples: list[Sample]) -> Iterator[Any]:
         """The loss of each micro-batch of a step, weighted so that they add up to the loss of the
         whole batch taken at once. TRL divides each part's own mean by the number of parts, right
         only when the parts are even: in parts of [8, 8, 1] the lone sequence would weigh 8x. The
         token-normalised losses (dapo, cispo, vespo) already divide by the whole batch's count."""
-        parts = [samples[i : i + self.micro_batch] for i in range(0, len(samples), self.micro_batch)]
+        # Rows of one prompt together and of like lengths together: a micro-batch is mostly one
+        # group, run from its shared prompt, with little padding after it.
+        ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
+        parts = [ordered[i : i + self.micro_batch] for i in range(0, len(ordered), self.micro_batch)]
         num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
         for part in parts:
             batch = self.inputs(part, num_items)

@@ -10,6 +10,7 @@ with SmolLM2's tokenizer keeps it fast.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,63 @@ def test_a_step_logs_the_off_policy_gap_and_what_the_correction_capped(
         capped = ((every < 0.8) | (every > 1.25)).float().mean()
         assert metrics["is_capped"] == pytest.approx(float(capped), abs=1e-6)
         assert 0 < metrics["is_capped"] < 1  # some capped, some not: the batch is made so
+
+
+def _groups() -> list[Sample]:
+    """Two GRPO groups of three: each group's rows share their prompt, then go their own ways
+    (tool tokens inside, one truncated), and the groups' prompts differ in length."""
+    rng = random.Random(11)
+    samples = []
+    shapes = [[(0, 5), (4, 3)], [(0, 7)], [(0, 2), (3, 6)]], [[(0, 4)], [(0, 8)], [(0, 3)]]
+    for prompt_length, turns in zip((14, 9), shapes, strict=True):
+        prompt = [rng.randrange(100, 5000) for _ in range(prompt_length)]
+        for n, shape in enumerate(turns):
+            rest = _sequence(rng, shape, truncated=n == 2)
+            sequence = TrainingSequence("s", 0, prompt + rest.input_ids, [0] * prompt_length + rest.loss_mask,
+                                        [0.0] * prompt_length + rest.logprobs,
+                                        [replace(span, start=span.start + prompt_length, end=span.end + prompt_length)
+                                         for span in rest.spans], rest.truncated)  # fmt: skip
+            samples.append(Sample(sequence, rng.uniform(-1, 1)))
+    return samples
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "mode", "beta"),
+    [("grpo", None, 0.0), ("dapo", None, 0.0), ("bnpo", "token_truncate", 0.0), ("dr_grpo", "sequence_mask", 0.1)],
+)
+def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batch(
+    tiny_model: Path, tmp_path: Path, loss_type: str, mode: str | None, beta: float
+) -> None:
+    """The step's fast path (each group's prompt run once, its rows from its keys and values)
+    against TRL's own padded batch: the same loss, gradients and off-policy gap."""
+    grpo = {**_config(loss_type, "token", mode), "beta": beta, "mask_truncated_completions": True}
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=4)
+    learner.model.train()
+    samples = _groups()
+
+    def run(shared: bool) -> tuple[Any, list[Any], float]:
+        learner.shared_prefix = shared
+        learner._sums = dict.fromkeys(learner._sums, 0.0)
+        loss = sum(learner.part_losses(samples))
+        grads = torch.autograd.grad(loss, list(learner.model.parameters()), allow_unused=True)
+        return loss.detach(), [g for g in grads if g is not None], learner._sums["gap"]
+
+    fast, fast_grads, fast_gap = run(True)
+    plain, plain_grads, plain_gap = run(False)
+    assert float(plain) != 0.0 and len(fast_grads) == len(plain_grads) > 0
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fast_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert fast_gap == pytest.approx(plain_gap, rel=1e-5)
+
+
+def test_completions_run_in_passes_of_like_lengths() -> None:
+    from trainer.grpo import length_buckets
+
+    # One long completion among short ones runs alone instead of padding the other seven to it.
+    lengths = [40, 175, 65, 40, 40, 40, 40, 36]
+    passes = length_buckets(lengths, most=8)
+    assert sorted(i for p in passes for i in p) == list(range(8))
+    assert [1] in passes and sum(len(p) * max(lengths[i] for i in p) for p in passes) < 8 * 175 / 2
+    assert all(len(p) <= 3 for p in length_buckets(lengths, most=3))
+    assert length_buckets([7, 7, 7, 7], most=8) == [[0, 1, 2, 3]]  # equal lengths: one pass
