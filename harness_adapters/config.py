@@ -65,12 +65,12 @@ class CommandHarness(Strict):
     """Any CLI harness, run as a process in the episode's workdir."""
 
     type: Literal["command"]
-    argv: list[str] = Field(description="the command line, templated")
+    argv: list[str] = Field(description="the command line, templated; a file beside the config is found there")
     env: dict[str, str] = Field(default_factory=dict, description="extra variables, templated")
     files: dict[str, str] = Field(default_factory=dict, description="files to write in the workdir")
 
     def adapter(self, path: Callable[[str], str]) -> Adapter:
-        return CommandAdapter(list(self.argv), self.env, self.files)
+        return CommandAdapter([path(arg) for arg in self.argv], self.env, self.files)
 
 
 class AgentsSdkHarness(Strict):

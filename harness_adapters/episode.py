@@ -99,8 +99,10 @@ def load_callable(ref: str) -> Callable[..., Any]:
 def template_values(task: Task, endpoint: Endpoint, workdir: Path) -> dict[str, Any]:
     """What `{name}` may stand for in a command, its environment and its files."""
     return {
-        **task.data, "task_id": task.id, "prompt": task.prompt, "workdir": str(workdir), "model": endpoint.model,
-        "base_url": endpoint.url, "openai_base_url": endpoint.openai_base_url, "api_key": endpoint.api_key,
+        # The workdir absolute: a command runs in it, so a relative one would name a folder inside.
+        **task.data, "task_id": task.id, "prompt": task.prompt, "workdir": str(workdir.resolve()),
+        "model": endpoint.model, "base_url": endpoint.url, "openai_base_url": endpoint.openai_base_url,
+        "api_key": endpoint.api_key,
     }  # fmt: skip
 
 

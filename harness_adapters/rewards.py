@@ -1,6 +1,7 @@
 """Rewards for an episode, each from a named source, combined by weights.
 
-- `python`: a verifier `score(task, outcome) -> float` (sync or async), "module:function".
+- `python`: a verifier `score(task, outcome) -> float` (sync or async), "module:function"; one
+  with a `workdir` parameter also gets the episode's work directory, to inspect what it left.
 - `command`: a shell command (templated like CommandAdapter's, run in the episode's workdir);
   its last output line if that is a number, else 1.0 for exit code 0 and 0.0 otherwise.
 - `harness`: what the harness posted itself to `POST /admin/sessions/{id}/reward`; taken as
@@ -82,7 +83,8 @@ class PythonReward(RewardSource):
     ) -> float:
         if self._verifier is None:
             self._verifier = load_callable(self.function)
-        value = self._verifier(task, outcome)
+        wants_workdir = "workdir" in inspect.signature(self._verifier).parameters
+        value = self._verifier(task, outcome, **({"workdir": workdir} if wants_workdir else {}))
         return await value if inspect.isawaitable(value) else value  # type: ignore[no-any-return]
 
 

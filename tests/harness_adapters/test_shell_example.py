@@ -1,0 +1,74 @@
+"""The shell example (harness_adapters/examples/shell): its verifier on work directories made
+by hand, and mini-swe-agent, unchanged, running its tasks through the proxy on the real vLLM,
+each episode scored by what it left in its own work directory."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness_adapters.collect import collect
+from harness_adapters.config import CollectConfig, load_config
+from harness_adapters.episode import Outcome
+from harness_adapters.rewards import PythonReward
+from harness_adapters.tasks import Task, load_tasks
+from tests.support.stack import Upstream
+
+SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell"
+
+
+def _done(task: Task, workdir: Path) -> None:
+    """What a harness that solved `task` would leave."""
+    data = task.data
+    target = workdir / data["file"]
+    if data["kind"] in ("create", "count"):
+        target.write_text(data["word"] + "\n")
+    elif data["kind"] == "rename":
+        (workdir / data["old"]).rename(target)
+    elif data["kind"] == "copy":
+        shutil.copy(workdir / data["old"], target)
+    elif data["kind"] == "delete":
+        target.unlink()
+    elif data["kind"] == "mkdir":
+        target.mkdir()
+
+
+def test_the_verifier_scores_what_the_work_directory_holds(tmp_path: Path) -> None:
+    tasks = load_tasks(SHELL / "tasks.jsonl")
+    assert {t.data["kind"] for t in tasks if t.held_out} == {t.data["kind"] for t in tasks if not t.held_out}
+    verifier = PythonReward(function=f"{SHELL / 'verify.py'}:score").resolved(str)
+
+    def scored(task: Task, workdir: Path) -> float:
+        return asyncio.run(verifier.score(task, Outcome("ok"), None, workdir, None))  # type: ignore[arg-type]
+
+    for task in tasks:
+        workdir = tmp_path / task.id
+        workdir.mkdir()
+        (workdir / task.data["setup"]).write_text(task.data["setup_text"])
+        assert scored(task, workdir) == 0.0, task.id  # the starting directory does not solve its task
+        _done(task, workdir)
+        assert scored(task, workdir) == 1.0, task.id
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_mini_swe_agent_runs_the_shell_tasks_and_each_episode_is_scored_by_its_directory(
+    vllm: Upstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped collect config as it is (mini-swe-agent from PyPI, its config beside the
+    example), with a relative output folder as a user would give it."""
+    monkeypatch.chdir(tmp_path)
+    config = load_config(SHELL / "collect.yaml", CollectConfig)
+    config = config.model_copy(update={"split": "heldout", "episodes_per_task": 1, "out": "out"})
+    config.proxy.upstream = vllm.url
+    results, _, db = collect(config, progress=False)
+    assert db is not None and len(results) == len(load_tasks(SHELL / "tasks.jsonl", "heldout"))
+    for result in results:
+        assert result.status == "ok" and result.reward in (0.0, 1.0) and result.calls >= 1, result.error
+        workdir = tmp_path / "out" / "episodes" / result.session_id
+        assert (workdir / result.task.data["setup"]).exists() or result.task.data["kind"] in ("rename", "delete")
+        # mini wrote its trajectory where {workdir} said, not in a folder under its working directory
+        assert (workdir / "trajectory.json").exists() and not (workdir / "out").exists()
