@@ -107,6 +107,29 @@ def length_buckets(lengths: Sequence[int], most: int, overhead: int = 16) -> lis
     return passes[::-1]
 
 
+def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
+    """Whether `shared_prefix_logps` computes what TRL's padded batch does for this model: one
+    process and no wrapper or adapter around it, no checkpointed layer (it drops the cache), a
+    plain key/value cache in every layer (a sliding window keeps only its last keys, a linear
+    attention layer has none), and RoPE whose frequencies do not depend on a pass's longest
+    position (dynamic, longrope)."""
+    from accelerate.utils import DistributedType
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    unwrapped = accelerator.unwrap_model(model)
+    config = unwrapped.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return (
+        accelerator.distributed_type == DistributedType.NO
+        and unwrapped is model
+        and not hasattr(unwrapped, "peft_config")
+        and not unwrapped.is_gradient_checkpointing
+        and not (isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"))
+        and all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+    )
+
+
 def shared_prefix_logps(
     model: Any,
     input_ids: Any,
@@ -149,11 +172,16 @@ def shared_prefix_logps(
             mask = torch.cat([tail.new_ones(len(part), len(prompt)), tail], 1)
             labels = ids.masked_fill(mask[:, -ids.size(1) :] == 0, -100)
             labels[:, 0] = -100
-            kv = [(k.expand(len(part), -1, -1, -1), v.expand(len(part), -1, -1, -1)) for k, v, *_ in cache]
-            shared = DynamicCache(kv if head.size(1) else None, config=unwrapped.config)
+            shared = DynamicCache(config=unwrapped.config)
+            if head.size(1):
+                kv = [(k.expand(len(part), -1, -1, -1), v.expand(len(part), -1, -1, -1)) for k, v, *_ in cache]
+                shared = DynamicCache(kv, config=unwrapped.config)
             with accelerator.autocast():
                 out = model(input_ids=ids, attention_mask=mask, past_key_values=shared, labels=labels,
                             fused_lm_head=True)  # fmt: skip
+            if shared.get_seq_length() != len(prompt) + used:  # a layer that did not take the cache
+                raise RuntimeError(f"the shared prompt's cache holds {shared.get_seq_length()} positions after a pass, "
+                                   f"not {len(prompt) + used}: set the learner's shared_prefix to False")  # fmt: skip
             rows_done += part
             logps.append(torch.nn.functional.pad(out.log_probs, (0, keep - used)))
             entropies.append(torch.nn.functional.pad(out.entropy, (0, keep - used)) if compute_entropy else None)
@@ -212,6 +240,7 @@ class Learner:
         # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
         # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
         self.shared_prefix = True
+        self._cache_fits: dict[int, bool] = {}  # by model (the policy, the reference): prompt_cache_fits
         self.trl._get_per_token_logps_and_entropies = self.logps
 
     def inputs(self, samples: list[Sample], num_items: int | None = None) -> dict[str, Any]:
@@ -318,11 +347,13 @@ class Learner:
         logprobs are kept for the step's off-policy gap."""
         from trl import GRPOTrainer
 
+        if id(model) not in self._cache_fits:
+            self._cache_fits[id(model)] = prompt_cache_fits(model, self.trl.accelerator)
         plain = (
             not self.shared_prefix
+            or not self._cache_fits[id(model)]
             or compute_aux_loss
             or any(v is not None for v in multimodal.values())
-            or getattr(model, "is_gradient_checkpointing", False)  # would run the prefix's cache twice
         )
         if plain:
             out = GRPOTrainer._get_per_token_logps_and_entropies(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,11 @@ from harness_adapters.episode import Outcome
 from harness_adapters.rewards import PythonReward
 from harness_adapters.tasks import Task, load_tasks
 from tests.support.stack import Upstream
+from trainer.config import TrainConfig
 
 SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell"
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="the shell example runs in bubblewrap: "
+                                 "apt-get install bubblewrap (.ci/run does)")  # fmt: skip
 
 
 def _done(task: Task, workdir: Path) -> None:
@@ -53,6 +57,26 @@ def test_the_verifier_scores_what_the_work_directory_holds(tmp_path: Path) -> No
         assert scored(task, workdir) == 1.0, task.id
 
 
+@needs_bwrap
+@pytest.mark.parametrize("name", ["collect.yaml", "train.yaml"])
+def test_the_harness_can_write_only_its_work_directory(tmp_path: Path, name: str) -> None:
+    """The configs' sandbox, with a shell in place of mini: the work directory is writable,
+    every other path is not (/tmp is a fresh one)."""
+    harness = load_config(SHELL / name, TrainConfig if name == "train.yaml" else CollectConfig).harness
+    sandbox = harness.argv[: harness.argv.index("--") + 1]  # type: ignore[union-attr]
+    workdir, outside = tmp_path / "work", tmp_path / "outside.txt"
+    workdir.mkdir()
+    outside.write_text("keep")
+    canary = Path("/usr/rl-proxy-sandbox-canary")
+    script = f"echo made > made.txt; rm -f {outside}; touch {canary}"
+    done = subprocess.run([a.format(workdir=workdir) for a in sandbox] + ["sh", "-c", script], cwd=workdir,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (workdir / "made.txt").read_text() == "made\n", done.stderr
+    assert outside.read_text() == "keep" and not canary.exists()
+    assert "Read-only file system" in done.stderr
+
+
+@needs_bwrap
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_mini_swe_agent_runs_the_shell_tasks_and_each_episode_is_scored_by_its_directory(

@@ -139,6 +139,7 @@ def test_loss_equals_trl_and_the_formula(tiny_model: Path, tmp_path: Path, loss_
 
     assert type(learner.trl) is GRPOTrainer
     total_tokens = sum(s.sequence.sampled_tokens for s in samples)
+    learner.shared_prefix = False  # TRL's own logprobs from here on
     singles = []
     for sample in samples:
         single = learner.inputs([sample], num_items=total_tokens)
@@ -264,12 +265,12 @@ def test_a_step_logs_the_off_policy_gap_and_what_the_correction_capped(
 
 
 def _groups() -> list[Sample]:
-    """Two GRPO groups of three: each group's rows share their prompt, then go their own ways
-    (tool tokens inside, one truncated), and the groups' prompts differ in length."""
+    """Three GRPO groups: each group's rows share their prompt, then go their own ways (tool
+    tokens inside, one truncated), and the groups' prompts differ in length (one is one token)."""
     rng = random.Random(11)
     samples = []
-    shapes = [[(0, 5), (4, 3)], [(0, 7)], [(0, 2), (3, 6)]], [[(0, 4)], [(0, 8)], [(0, 3)]]
-    for prompt_length, turns in zip((14, 9), shapes, strict=True):
+    shapes = [[(0, 5), (4, 3)], [(0, 7)], [(0, 2), (3, 6)]], [[(0, 4)], [(0, 8)], [(0, 3)]], [[(0, 3)], [(0, 6)]]
+    for prompt_length, turns in zip((14, 9, 1), shapes, strict=True):  # a prompt of one token too
         prompt = [rng.randrange(100, 5000) for _ in range(prompt_length)]
         for n, shape in enumerate(turns):
             rest = _sequence(rng, shape, truncated=n == 2)
@@ -282,18 +283,31 @@ def _groups() -> list[Sample]:
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "mode", "beta"),
-    [("grpo", None, 0.0), ("dapo", None, 0.0), ("bnpo", "token_truncate", 0.0), ("dr_grpo", "sequence_mask", 0.1)],
-)
+    ("loss_type", "mode", "beta", "micro_batch"),
+    [("grpo", None, 0.0, 4), ("dapo", None, 0.0, 2), ("bnpo", "token_truncate", 0.0, 4),
+     ("dr_grpo", "sequence_mask", 0.1, 3)],
+)  # fmt: skip
 def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batch(
-    tiny_model: Path, tmp_path: Path, loss_type: str, mode: str | None, beta: float
-) -> None:
-    """The step's fast path (each group's prompt run once, its rows from its keys and values)
-    against TRL's own padded batch: the same loss, gradients and off-policy gap."""
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss_type: str, mode: str | None, beta: float,
+    micro_batch: int,
+) -> None:  # fmt: skip
+    """The step's fast path (each group's prompt run once, its rows from its keys and values, in
+    passes of at most `micro_batch` rows) against TRL's own padded batch: the same loss,
+    gradients and off-policy gap."""
+    import trainer.grpo
+
     grpo = {**_config(loss_type, "token", mode), "beta": beta, "mask_truncated_completions": True}
-    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=4)
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=micro_batch)
     learner.model.train()
     samples = _groups()
+    passes = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        passes.append(args[2].size(0))
+        return shared(*args, **kwargs)
+
+    shared = trainer.grpo.shared_prefix_logps
+    monkeypatch.setattr(trainer.grpo, "shared_prefix_logps", counted)
 
     def run(shared: bool) -> tuple[Any, list[Any], float]:
         learner.shared_prefix = shared
@@ -303,6 +317,7 @@ def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batc
         return loss.detach(), [g for g in grads if g is not None], learner._sums["gap"]
 
     fast, fast_grads, fast_gap = run(True)
+    assert sum(passes) >= len(samples)  # the fast path ran, for every row
     plain, plain_grads, plain_gap = run(False)
     assert float(plain) != 0.0 and len(fast_grads) == len(plain_grads) > 0
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
@@ -321,3 +336,20 @@ def test_completions_run_in_passes_of_like_lengths() -> None:
     assert [1] in passes and sum(len(p) * max(lengths[i] for i in p) for p in passes) < 8 * 175 / 2
     assert all(len(p) <= 3 for p in length_buckets(lengths, most=3))
     assert length_buckets([7, 7, 7, 7], most=8) == [[0, 1, 2, 3]]  # equal lengths: one pass
+
+
+def test_the_shared_prompt_path_stands_aside_where_it_would_be_wrong(tiny_model: Path, tmp_path: Path) -> None:
+    """Checkpointed layers drop the cache, a sliding window keeps only its last keys: TRL's own
+    path runs for those."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from trainer.grpo import prompt_cache_fits
+
+    plain = Learner(str(tiny_model), tmp_path / "plain", {}, total_steps=1)
+    assert prompt_cache_fits(plain.model, plain.trl.accelerator)
+    checkpointed = Learner(str(tiny_model), tmp_path / "gc", {"gradient_checkpointing": True}, total_steps=1)
+    assert not prompt_cache_fits(checkpointed.model, checkpointed.trl.accelerator)
+    windowed = AutoModelForCausalLM.from_config(MistralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=8))  # fmt: skip
+    assert not prompt_cache_fits(windowed, plain.trl.accelerator)
