@@ -181,7 +181,8 @@ def shared_prefix_logps(
                             fused_lm_head=True)  # fmt: skip
             if shared.get_seq_length() != len(prompt) + used:  # a layer that did not take the cache
                 raise RuntimeError(f"the shared prompt's cache holds {shared.get_seq_length()} positions after a pass, "
-                                   f"not {len(prompt) + used}: set the learner's shared_prefix to False")  # fmt: skip
+                                   f"not {len(prompt) + used}: this model's layers did not take it, and "
+                                   "prompt_cache_fits should have sent TRL's own path")  # fmt: skip
             rows_done += part
             logps.append(torch.nn.functional.pad(out.log_probs, (0, keep - used)))
             entropies.append(torch.nn.functional.pad(out.entropy, (0, keep - used)) if compute_entropy else None)
