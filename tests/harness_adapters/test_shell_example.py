@@ -61,7 +61,7 @@ def test_the_verifier_scores_what_the_work_directory_holds(tmp_path: Path) -> No
 @pytest.mark.parametrize("name", ["collect.yaml", "train.yaml"])
 def test_the_harness_can_write_only_its_work_directory(tmp_path: Path, name: str) -> None:
     """The configs' sandbox, with a shell in place of mini: the work directory is writable,
-    every other path is not (/tmp is a fresh one)."""
+    every other path is not, /tmp (where pytest's folders are) included."""
     harness = load_config(SHELL / name, TrainConfig if name == "train.yaml" else CollectConfig).harness
     sandbox = harness.argv[: harness.argv.index("--") + 1]  # type: ignore[union-attr]
     workdir, outside = tmp_path / "work", tmp_path / "outside.txt"
