@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from harness_adapters.tasks import Task
 
@@ -118,6 +118,12 @@ def _artifacts(workdir: Path, skip: set[str]) -> list[str]:
     return sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*") if p.is_file() and p.name not in skip)
 
 
+def _tail(file: BinaryIO, size: int) -> str:
+    """The last `size` bytes written to an open file, as text."""
+    file.seek(max(0, file.seek(0, os.SEEK_END) - size))
+    return file.read().decode(errors="replace").strip()
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
@@ -150,7 +156,9 @@ class CommandAdapter:
             return Outcome("failed", error=f"bad template in the command adapter: {exc!r}")
         log, out = workdir / "harness.log", workdir / "harness.stdout"
         start = time.monotonic()
-        with open(log, "wb") as err_file, open(out, "wb") as out_file:
+        # Read back through the open files: the harness runs in this workdir and may delete them
+        # (an agent's `rm -rf *` did, and the missing file crashed the whole training run).
+        with open(log, "w+b") as err_file, open(out, "w+b") as out_file:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out_file, stderr=err_file,
@@ -169,9 +177,9 @@ class CommandAdapter:
             finally:
                 _kill_group(proc.pid)  # children it left behind, or all of it after a timeout
                 await proc.wait()
-        output = out.read_bytes()[-OUTPUT_CHARS:].decode(errors="replace").strip()
-        if error and status == "failed":
-            error += f"; end of log: {log.read_bytes()[-500:].decode(errors='replace').strip()}"
+            output = _tail(out_file, OUTPUT_CHARS)
+            if error and status == "failed":
+                error += f"; end of log: {_tail(err_file, 500)}"
         return Outcome(status, output, error, code, str(log), time.monotonic() - start,
                        _artifacts(workdir, {log.name, out.name}))  # fmt: skip
 

@@ -195,6 +195,15 @@ def test_crashes_and_bad_templates_become_failed_outcomes(tmp_path: Path) -> Non
     assert "Traceback" in Path(str(failed.log)).read_text()
 
 
+def test_a_harness_that_deletes_its_own_log_and_output_still_ends_as_an_episode(tmp_path: Path) -> None:
+    """An agent's commands run in the workdir, where the adapter keeps the harness's log and
+    stdout: an `rm -rf *` there once crashed a whole training run."""
+    endpoint, task = Endpoint("http://127.0.0.1:9", "k", "m"), Task("t", "p")
+    wiped = CommandAdapter(["sh", "-c", "rm -rf ./*; echo still here; echo why >&2; exit 1"])
+    outcome = asyncio.run(wiped.run(task, endpoint, tmp_path, 10))
+    assert outcome.status == "failed" and outcome.output == "still here" and "why" in str(outcome.error)
+
+
 def test_a_judge_reward_through_litellm(make_proxy: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The judge is a STUB upstream answering "0.75" (any model litellm reaches would do)."""
     monkeypatch.setenv("RLP_TEST_JUDGE_KEY", "none")
