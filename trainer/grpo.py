@@ -241,7 +241,6 @@ class Learner:
         # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
         # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
         self.shared_prefix = True
-        self._cache_fits: dict[int, bool] = {}  # by model (the policy, the reference): prompt_cache_fits
         self.trl._get_per_token_logps_and_entropies = self.logps
 
     def inputs(self, samples: list[Sample], num_items: int | None = None) -> dict[str, Any]:
@@ -348,11 +347,9 @@ class Learner:
         logprobs are kept for the step's off-policy gap."""
         from trl import GRPOTrainer
 
-        if id(model) not in self._cache_fits:
-            self._cache_fits[id(model)] = prompt_cache_fits(model, self.trl.accelerator)
         plain = (
             not self.shared_prefix
-            or not self._cache_fits[id(model)]
+            or not prompt_cache_fits(model, self.trl.accelerator)  # cheap: the config, an empty cache
             or compute_aux_loss
             or any(v is not None for v in multimodal.values())
         )
