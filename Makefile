@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install lock train demo test soak lint fmt bench bench-train-step serve
+.PHONY: install lock train demo test soak lint fmt bench bench-train-step bench-viewer serve
 
 install: $(STAMP)
 
@@ -73,8 +73,14 @@ bench: install
 	$(PY) -m benchmarks.bench_token_in
 	$(PY) -m benchmarks.bench_train
 	$(PY) -m benchmarks.bench_train_step
+	$(PY) -m benchmarks.bench_viewer
 
 # One optimizer step on the example's batch: TRL's plain padded batch against each group's prompt
 # run once; the last line is the speed-up.
 bench-train-step: install
 	$(PY) -m benchmarks.bench_train_step
+
+# `rl-proxy ui` on a store of 100,000 calls: each page's server time, and a 5,000-token session
+# loaded in headless Chromium.
+bench-viewer: install
+	$(PY) -m benchmarks.bench_viewer

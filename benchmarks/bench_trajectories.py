@@ -19,11 +19,11 @@ from recorder.trajectories import build_sequences
 T0 = datetime(2026, 1, 1)
 
 
-def session_calls(sid: str, turns: int, rng: random.Random) -> list[CallRecord]:
-    prompt = [rng.randrange(50_000) for _ in range(200)]  # system prompt and task
+def session_calls(sid: str, turns: int, rng: random.Random, vocab: int = 50_000) -> list[CallRecord]:
+    prompt = [rng.randrange(vocab) for _ in range(200)]  # system prompt and task
     calls = []
     for seq in range(1, turns + 1):
-        tokens = [rng.randrange(50_000) for _ in range(30)] + [2]
+        tokens = [rng.randrange(vocab) for _ in range(30)] + [2]
         calls.append(
             CallRecord(
                 session_id=sid,
@@ -45,7 +45,7 @@ def session_calls(sid: str, turns: int, rng: random.Random) -> list[CallRecord]:
                 finished_at=T0,
             )
         )
-        prompt = prompt + tokens + [rng.randrange(50_000) for _ in range(50)]  # tool output, next turn
+        prompt = prompt + tokens + [rng.randrange(vocab) for _ in range(50)]  # tool output, next turn
     return calls
 
 

@@ -22,7 +22,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run, or, where SQL cannot
 # say it (hashing), a function given the connection.
@@ -41,6 +41,10 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         "CREATE UNIQUE INDEX ix_rewards_reward_id ON rewards (session_id, reward_id)",
         "ALTER TABLE calls ADD COLUMN token_in BOOLEAN",  # token-in: prompts built from earlier tokens
         "ALTER TABLE calls ADD COLUMN thread_start VARCHAR(256)",
+    ],
+    6: [  # the viewer's session list pages in start order and filters by status
+        "CREATE INDEX ix_sessions_created_at ON sessions (created_at)",
+        "CREATE INDEX ix_sessions_status ON sessions (status)",
     ],
 }
 
@@ -109,8 +113,8 @@ class SessionRow(Base):
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     group_id: Mapped[str | None] = mapped_column(String(256), index=True)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
-    status: Mapped[str] = mapped_column(String(16), default="active")
-    created_at: Mapped[datetime]
+    status: Mapped[str] = mapped_column(String(16), default="active", index=True)
+    created_at: Mapped[datetime] = mapped_column(index=True)
     ended_at: Mapped[datetime | None]
 
 

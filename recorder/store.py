@@ -26,7 +26,7 @@ from typing import Any
 from uuid import uuid4
 
 import orjson
-from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, text, update
+from sqlalchemy import Connection, case, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
@@ -372,6 +372,14 @@ class Store:
         sessions = await self.list_sessions(session_id=session_id)
         return sessions[0] if sessions else None
 
+    @staticmethod
+    def _reward_of_session() -> Any:
+        return (
+            select(func.sum(RewardRow.value))
+            .where(RewardRow.session_id == SessionRow.id, RewardRow.call_seq.is_(None))
+            .scalar_subquery()
+        )
+
     @translated
     async def list_sessions(
         self,
@@ -379,26 +387,87 @@ class Store:
         run: str | None = None,
         session_id: str | None = None,
         group_id: str | None = None,
+        task_id: str | None = None,
+        status: str | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        sort: str = "created",
+        descending: bool = False,
+        offset: int = 0,
         limit: int | None = None,
     ) -> list[SessionInfo]:
+        """Sessions that match every filter given, in `sort` order ("created", "reward", "calls",
+        "run", "task", "status"), `limit` of them from `offset`."""
         # Correlated subqueries walk the (session_id, ...) indexes: one session costs the same
         # however many calls the store holds (a GROUP BY over all calls did not).
-        reward = (
-            select(func.sum(RewardRow.value))
-            .where(RewardRow.session_id == SessionRow.id, RewardRow.call_seq.is_(None))
-            .scalar_subquery()
-        )
+        reward = self._reward_of_session()
         calls = select(func.count()).where(CallRow.session_id == SessionRow.id).scalar_subquery()
-        query = select(SessionRow, reward, calls).order_by(SessionRow.created_at, SessionRow.id).limit(limit)
-        if run is not None:
-            query = query.where(SessionRow.run == run)
-        if session_id is not None:
-            query = query.where(SessionRow.id == session_id)
-        if group_id is not None:
-            query = query.where(SessionRow.group_id == group_id)
+        by = {"created": SessionRow.created_at, "reward": reward, "calls": calls, "run": SessionRow.run,
+              "task": SessionRow.task_id, "status": SessionRow.status}[sort]  # fmt: skip
+        order = [by.desc(), SessionRow.id.desc()] if descending else [by, SessionRow.id]
+        query = self._filtered(select(SessionRow, reward, calls), reward, run=run, session_id=session_id,
+                               group_id=group_id, task_id=task_id, status=status, min_reward=min_reward,
+                               max_reward=max_reward)  # fmt: skip
         async with self._sessions() as s:
-            result = await s.execute(query)
+            result = await s.execute(query.order_by(*order).offset(offset).limit(limit))
             return [_session_info(row, reward, n or 0) for row, reward, n in result.all()]
+
+    @translated
+    async def count_sessions(self, **filters: Any) -> int:
+        """How many sessions match the filters of `list_sessions`."""
+        reward = self._reward_of_session()
+        query = self._filtered(select(func.count()).select_from(SessionRow), reward, **filters)
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(query)).scalar_one())
+
+    @staticmethod
+    def _filtered(query: Any, reward: Any, *, min_reward: float | None = None, max_reward: float | None = None,
+                  **equal: str | None) -> Any:  # fmt: skip
+        columns = {"run": SessionRow.run, "session_id": SessionRow.id, "group_id": SessionRow.group_id,
+                   "task_id": SessionRow.task_id, "status": SessionRow.status}  # fmt: skip
+        for name, value in equal.items():
+            if value is not None:
+                query = query.where(columns[name] == value)
+        if min_reward is not None:
+            query = query.where(reward >= min_reward)
+        if max_reward is not None:
+            query = query.where(reward <= max_reward)
+        return query
+
+    @translated
+    async def runs(self) -> list[dict[str, Any]]:
+        """Each run: its sessions, how many ended ok, with a reward, the mean reward and how
+        many reached 1.0, and when its first and last sessions started."""
+        per_session = select(SessionRow.run, SessionRow.status, SessionRow.created_at,
+                             self._reward_of_session().label("reward")).subquery()  # fmt: skip
+        reward = per_session.c.reward
+        query = (
+            select(
+                per_session.c.run,
+                func.count().label("sessions"),
+                func.sum(case((per_session.c.status == "ok", 1), else_=0)).label("ok"),
+                func.count(reward).label("rewarded"),
+                func.avg(reward).label("mean_reward"),
+                func.sum(case((reward >= 1.0, 1), else_=0)).label("successes"),
+                func.min(per_session.c.created_at).label("first"),
+                func.max(per_session.c.created_at).label("last"),
+            )
+            .group_by(per_session.c.run)
+            .order_by(func.max(per_session.c.created_at).desc())
+        )
+        async with self.engine.connect() as conn:
+            return [dict(row) for row in (await conn.execute(query)).mappings()]
+
+    @translated
+    async def rewards(self, session_id: str) -> list[tuple[str, float, int | None]]:
+        """Every reward posted for a session, in order: (source, value, call number or None)."""
+        query = (
+            select(RewardRow.source, RewardRow.value, RewardRow.call_seq)
+            .where(RewardRow.session_id == session_id)
+            .order_by(RewardRow.id)
+        )
+        async with self.engine.connect() as conn:
+            return [(source, float(value), seq) for source, value, seq in (await conn.execute(query)).all()]
 
     @translated
     async def call_rewards(self, session_id: str) -> dict[int, float]:

@@ -17,7 +17,7 @@ from trainer.cli import app
 
 runner = CliRunner()
 COMMANDS = [[], ["serve"], ["demo"], ["model"], ["model", "prepare"], ["sessions"], ["sessions", "list"],
-            ["sessions", "show"], ["export"], ["report"], ["doctor"], ["collect"], ["train"]]  # fmt: skip
+            ["sessions", "show"], ["export"], ["report"], ["doctor"], ["collect"], ["train"], ["ui"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "rl-proxy")
@@ -94,6 +94,14 @@ def test_serve_refuses_open_admin_off_loopback() -> None:
     given = ["--upstream", "http://127.0.0.1:1/v1", "--host", "0.0.0.0", "--messages-mode"]
     result = runner.invoke(app, ["serve", *given])
     assert result.exit_code != 0 and "admin-token" in result.output and "No such option" not in result.output
+
+
+def test_ui_refuses_a_missing_store_and_an_open_viewer_off_loopback(db: str, tmp_path: Path) -> None:
+    missing = runner.invoke(app, ["ui", "--db", str(tmp_path / "nothing.db")])
+    assert missing.exit_code == 2 and "no store at" in missing.output
+    assert not (tmp_path / "nothing.db").exists()
+    open_off_loopback = runner.invoke(app, ["ui", "--db", db, "--host", "0.0.0.0"])
+    assert open_off_loopback.exit_code == 2 and "--admin-token" in open_off_loopback.output
 
 
 def test_report_summarises_a_run(db: str) -> None:

@@ -107,5 +107,33 @@ def train(
     )
 
 
+@app.command()
+def ui(
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL or SQLite path [default: the proxy's]")] = None,
+    runs: Annotated[Path | None, typer.Option(help="a training run's directory, or a folder of them")] = None,
+    host: Annotated[str, typer.Option(help="address to bind (off loopback, a token is needed)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to bind")] = 8300,
+    admin_token: Annotated[str | None, typer.Option(envvar="RLP_ADMIN_TOKEN", help="needed off loopback")] = None,
+    model: Annotated[str, typer.Option(help="whose tokenizer shows each token's text")] = "default",
+) -> None:
+    """A read-only viewer in the browser: runs and their curves, sessions, every token of every
+    training sequence, GRPO groups side by side."""
+    import uvicorn
+
+    from proxy.settings import LOOPBACK, Settings
+    from trainer.viewer import create_app, token_decoder
+
+    store = db or Settings().db
+    if "://" not in store and not Path(store).exists():
+        console.print(f"[red]error:[/red] no store at {store}")
+        raise typer.Exit(2)
+    if host not in LOOPBACK and not admin_token:
+        console.print(f"[red]error:[/red] off loopback ({host}) the viewer needs --admin-token")
+        raise typer.Exit(2)
+    console.print(f"rl-proxy viewer of {store}: http://{host}:{port}/", highlight=False)
+    uvicorn.run(create_app(store, runs, token_decoder(model), host, admin_token), host=host, port=port,
+                log_level="warning")  # fmt: skip
+
+
 if __name__ == "__main__":
     app()

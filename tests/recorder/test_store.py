@@ -200,7 +200,7 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         await store.record(call("a", 1, [5]))
         await store.add_reward("a", 1.0, "verifier")
     with sqlite3.connect(db) as conn:  # make it a version-1 store, as the first release wrote it
-        for index in ("ix_calls_call_id", "ix_rewards_reward_id"):
+        for index in ("ix_calls_call_id", "ix_rewards_reward_id", "ix_sessions_created_at", "ix_sessions_status"):
             conn.execute(f"drop index {index}")
         conn.execute("alter table calls drop column call_id")
         conn.execute("alter table calls drop column token_in")
@@ -220,7 +220,32 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         assert session.reward == 1.0 and session.calls == 1
         assert await store.call_rewards("a") == {1: 0.75}
     with sqlite3.connect(db) as conn:
-        assert conn.execute("select version from schema_version").fetchall() == [(6,)]
+        assert conn.execute("select version from schema_version").fetchall() == [(7,)]
         assert conn.execute("select key from sessions").fetchall() == [(key_digest("a"),)]
         assert conn.execute("select rewrites, response_id, call_id from calls").fetchall() == [(None, None, None)]
-        assert conn.execute("select name from sqlite_master where name = 'ix_calls_response_id'").fetchall()
+        for index in ("ix_calls_response_id", "ix_sessions_created_at", "ix_sessions_status"):
+            assert conn.execute(f"select name from sqlite_master where name = '{index}'").fetchall(), index
+
+
+async def test_sessions_filtered_sorted_paged_counted_and_summed_by_run(db: str) -> None:
+    async with Store(db) as store:
+        for i in range(6):
+            sid = f"s{i}"
+            info = SessionInfo(id=sid, key=sid, run=f"r{i % 2}", task_id="t", group_id=f"g{i // 3}")
+            await store.resolve_session(info)
+            for seq in range(1, i + 1):
+                await store.record(call(sid, seq, [seq]))
+            if i:  # s0 has no reward
+                await store.add_reward(sid, i / 5, "verifier")
+            await store.add_reward(sid, 9.0, "judge", call_seq=1)  # a call's reward is not the session's
+            await store.end_session(sid, "ok" if i % 2 else "failed")
+        by_reward = await store.list_sessions(run="r1", sort="reward", descending=True)
+        assert [(s.id, s.reward, s.calls) for s in by_reward] == [("s5", 1.0, 5), ("s3", 0.6, 3), ("s1", 0.2, 1)]
+        page = await store.list_sessions(sort="calls", offset=2, limit=2)
+        assert [s.id for s in page] == ["s2", "s3"]
+        assert await store.count_sessions(min_reward=0.4, max_reward=0.8) == 3  # s2, s3, s4
+        assert await store.count_sessions(status="failed", group_id="g1") == 1  # s4
+        runs = {r["run"]: r for r in await store.runs()}
+        assert (runs["r0"]["sessions"], runs["r0"]["ok"], runs["r0"]["rewarded"]) == (3, 0, 2)
+        assert float(runs["r1"]["mean_reward"]) == pytest.approx(0.6) and runs["r1"]["successes"] == 1
+        assert await store.rewards("s1") == [("verifier", 0.2, None), ("judge", 9.0, 1)]

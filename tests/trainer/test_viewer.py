@@ -1,0 +1,132 @@
+"""`rl-proxy ui`: a tool-using session recorded through the proxy on the real vLLM, drawn token by
+token in headless Chromium (Debian's, driven by Playwright); and the session list's filters,
+sorting and pages, and the admin token rules, on a store of many sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from proxy.server import AppThread
+from recorder import CallRecord, Completion, SessionInfo, Store
+from recorder.trajectories import build_sequences
+from tests.support.samples import ADD_TOOL
+from tests.support.sessions import tool_session
+from tests.support.stack import RunningProxy, Upstream
+from trainer.viewer import PAGE, create_app, token_decoder
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples"
+CHROMIUM = shutil.which("chromium")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(proxy: RunningProxy, vllm: Upstream,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    from playwright.sync_api import sync_playwright
+
+    key = "run=viewer,task=add,group=g1,id=viewer-1"
+    tool_session(proxy.v1, key, vllm.model)
+    # A fourth call whose history was edited: it starts a thread of its own, its prefix diverging.
+    OpenAI(base_url=proxy.v1, api_key=key, max_retries=0).chat.completions.create(
+        model=vllm.model, messages=[{"role": "user", "content": "Add 2 and 4 with the add tool."}], tools=[ADD_TOOL],
+        max_tokens=8, temperature=0)  # fmt: skip
+    [session] = [s for s in proxy.sessions() if s.id == "viewer-1"]
+    report = build_sequences(proxy.calls("viewer-1"), session)
+    assert len(report.sequences) == 2 and report.breaks[0].reason == "prefix diverges"
+
+    app = create_app(proxy.db, runs=EXAMPLES, decode=token_decoder("default"))
+    with AppThread(app) as viewer, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"{viewer.url}/")
+        assert "viewer" in page.locator("#runs").inner_text()
+        assert page.locator("svg.chart polyline").count() >= 4  # the arithmetic run's curves
+        page.click("text=viewer-1")
+        page.wait_for_url("**/sessions/viewer-1")
+        for i, sequence in enumerate(report.sequences):
+            drawn = page.locator(f"#seq-{i} .tokens .t")
+            assert drawn.count() == len(sequence.input_ids)
+            sampled = page.eval_on_selector_all(f"#seq-{i} .tokens .t.s", "ts => ts.map(t => +t.dataset.i)")
+            assert sampled == [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m]
+        assert "prefix diverges" in page.locator("#seq-1 .break").inner_text()
+        assert page.locator("#seq-1 .break .windows pre").count() == 2
+        first, then = page.locator("#seq-1 .break .t.d").all_inner_texts()  # where they part: "3" against "4"
+        assert first.strip() == "3" and then.strip() == "4"
+        page.locator("#seq-0 .tokens .t.s").first.hover()
+        assert "sampled token" in page.locator("#tok").inner_text()
+        assert "logprob" in page.locator("#tok").inner_text()
+        page.screenshot(path=str(tmp_path / "session.png"), full_page=True)
+        page.goto(f"{viewer.url}/groups/g1")
+        assert page.locator(".episode").count() == 1
+        browser.close()
+    assert (tmp_path / "session.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _store_of_many(db: str, n: int) -> None:
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+
+    async def fill() -> None:
+        async with Store(db) as store:
+            for i in range(n):
+                run, group = f"run-{i % 2}", f"g{i // 4}"
+                info = SessionInfo(id=f"s{i:03d}", key=f"k{i}", run=run, task_id=f"t{i % 5}", group_id=group)
+                await store.resolve_session(info)
+                await store.record(CallRecord(f"s{i:03d}", 1, "openai.chat", "m", "u", False, {"messages": []},
+                                              {}, True, 200, None, [1, 2, 3], [Completion(0, [4, 5], [-0.1, -2.0],
+                                              "stop")], "0", "0", start, start))  # fmt: skip
+                await store.add_reward(f"s{i:03d}", (i % 4) / 3, "verifier")
+                await store.end_session(f"s{i:03d}", "ok" if i % 3 else "failed")
+
+    asyncio.run(fill())
+
+
+def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path: Path) -> None:
+    db = str(tmp_path / "many.db")
+    _store_of_many(db, 120)
+    app = create_app(db, decode=lambda ids: [f"<{i}>" for i in ids])
+    with AppThread(app) as viewer:
+        get = httpx.Client(base_url=viewer.url).get
+        first = get("/").text
+        assert "120 found" in first and "page 1 of 3" in first and first.count('href="/sessions/') == PAGE
+        last = get("/", params={"page": 2}).text
+        assert last.count('href="/sessions/') == 120 - 2 * PAGE and "s119" in last and "s000" not in last
+        best = get("/", params={"run": "run-1", "min_reward": 1, "sort": "created", "desc": "true"}).text
+        # run-1 holds the odd sessions, reward 1 every fourth: s003, s007, ... s119, newest first
+        assert "30 found" in best and best.index("s119") < best.index("s115")
+        failed = get("/", params={"status": "failed", "task": "t0"}).text
+        assert "8 found" in failed  # i % 3 == 0 and i % 5 == 0: every 15th of 120
+        assert get("/", params={"sort": "nonsense"}).status_code == 422
+        assert get("/sessions/nobody").status_code == 404
+        page = get("/sessions/s005").text
+        assert 'class="t s"' in page and "&lt;4&gt;" in page and "verifier" in page
+        group = get("/groups/g1").text  # s004-s007: rewards 0, 1/3, 2/3, 1
+        assert [float(a) for a in _cells(group, "advantage")] == pytest.approx([-1.162, -0.387, 0.387, 1.162], abs=1e-3)
+
+
+def _cells(html: str, name: str) -> list[str]:
+    return [part.split("<", 1)[0] for part in html.split(f'class="{name}">')[1:]]
+
+
+def test_off_loopback_the_viewer_asks_for_the_admin_token(tmp_path: Path) -> None:
+    db = str(tmp_path / "one.db")
+    _store_of_many(db, 1)
+    # Bound to every address with a token: even this machine's own requests must bring it.
+    app = create_app(db, decode=lambda ids: [str(i) for i in ids], host="0.0.0.0", admin_token="secret")
+    with AppThread(app) as viewer:
+        refused = httpx.get(f"{viewer.url}/sessions/s000")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
+        assert "Traceback" not in refused.text
+        wrong = base64.b64encode(b"me:guess").decode()
+        assert httpx.get(f"{viewer.url}/", headers={"Authorization": f"Basic {wrong}"}).status_code == 401
+        right = base64.b64encode(b"me:secret").decode()
+        assert httpx.get(f"{viewer.url}/sessions/s000", headers={"Authorization": f"Basic {right}"}).status_code == 200
+        assert httpx.get(f"{viewer.url}/", headers={"Authorization": "Bearer secret"}).status_code == 200

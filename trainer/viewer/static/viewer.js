@@ -1,0 +1,11 @@
+// The token under the pointer, described in the sticky panel: id, text, logprob, version, call.
+document.addEventListener("mouseover", (event) => {
+  const token = event.target.closest(".tokens .t");
+  const panel = document.getElementById("tok");
+  if (!token || !panel) return;
+  const d = token.dataset;
+  const text = JSON.stringify(token.textContent);
+  panel.textContent = d.l === undefined
+    ? `prompt token ${d.i} ${text}`
+    : `sampled token ${d.i} ${text}  logprob ${d.l} (p ${Math.exp(+d.l).toFixed(3)})  policy version ${d.v}  call ${d.c}`;
+});
