@@ -50,6 +50,10 @@ def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(proxy: Running
         page.goto(f"{viewer.url}/")
         assert "viewer" in page.locator("#runs").inner_text()
         assert page.locator("svg.chart polyline").count() >= 4  # the arithmetic run's curves
+        page.fill("input[name=run]", "viewer")  # the filter form, its other fields left empty
+        page.click("button")
+        page.wait_for_url("**/?run=viewer*")
+        assert "1 found" in page.locator("h1").nth(1).inner_text()
         page.click("text=viewer-1")
         page.wait_for_url("**/sessions/viewer-1")
         for i, sequence in enumerate(report.sequences):

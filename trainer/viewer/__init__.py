@@ -19,13 +19,14 @@ import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
+from pydantic import BeforeValidator
 
 from proxy.admin import check_admin
 from proxy.errors import Unauthorized
@@ -38,6 +39,8 @@ from trainer.grpo import advantages
 HERE = Path(__file__).parent
 PAGE = 50  # sessions a page
 Decode = Callable[[list[int]], list[str]]
+# A query parameter the filter form sends empty when it is not filled in.
+Bound = Annotated[float | None, BeforeValidator(lambda value: value or None)]
 
 
 def token_decoder(model: str) -> Decode:
@@ -167,8 +170,8 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
         task: str | None = None,
         group: str | None = None,
         status: str | None = None,
-        min_reward: float | None = None,
-        max_reward: float | None = None,
+        min_reward: Bound = None,
+        max_reward: Bound = None,
         sort: Literal["created", "reward", "calls", "run", "task", "status"] = "created",
         desc: bool = False,
         page: int = Query(0, ge=0),
