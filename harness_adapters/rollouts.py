@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -78,14 +79,22 @@ class Rollouts:
 
 
 async def success_rate(
-    runner: EpisodeRunner, tasks: list[Task], episodes_per_task: int, limit: asyncio.Semaphore, success_at: float
+    runner: EpisodeRunner,
+    tasks: list[Task],
+    episodes_per_task: int,
+    limit: asyncio.Semaphore,
+    success_at: float,
+    done: Callable[[bool], None] | None = None,
 ) -> float:
-    """The share of episodes (`episodes_per_task` per task) whose reward reaches `success_at`."""
+    """The share of episodes (`episodes_per_task` per task) whose reward reaches `success_at`;
+    `done` hears of each episode's success as it finishes."""
     async with runner.admin() as admin:
 
         async def one(task: Task, n: int) -> bool:
             async with limit:
                 result = await runner.episode(admin, task, n, f"{runner.run}/{task.id}")
+            if done is not None:
+                done(result.success(success_at))
             return result.success(success_at)
 
         wins = await asyncio.gather(*(one(t, n) for t in tasks for n in range(episodes_per_task)))

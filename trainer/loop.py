@@ -107,6 +107,7 @@ class TrainLoop:
         self.metrics_file = self.out / "metrics.jsonl"
         self.started = time.monotonic()
         self.writers: list[Any] = []  # each gets every metrics row: TensorBoard, W&B, the display
+        self.progress: Callable[[str], None] | None = None  # lines on long work between rows
         # Torch work on one thread of its own: the event loop (rollouts) goes on meanwhile, and
         # one thread keeps the allocator's memory in one place.
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="learner")
@@ -180,8 +181,20 @@ class TrainLoop:
         greedy = replace(eval_runner, run=f"{eval_runner.run}-greedy", workdir=eval_runner.workdir / "greedy",
                          sampling={"temperature": 0.0})  # fmt: skip
         limit, at = self.rollouts.limit, self.config.success_at
-        sampled = await success_rate(eval_runner, tasks, self.config.eval.episodes_per_task, limit, at)
-        greedy_success = await success_rate(greedy, tasks, 1, limit, at)
+        total = len(tasks) * (self.config.eval.episodes_per_task + 1)
+        finished: list[bool] = []
+        shown = time.monotonic()
+
+        def done(success: bool) -> None:  # a line every 10 s, the held-out evaluation takes minutes
+            nonlocal shown
+            finished.append(success)
+            if self.progress is not None and (time.monotonic() - shown > 10 or len(finished) == total):
+                shown = time.monotonic()
+                self.progress(f"held-out evaluation at step {self.state.step}: {len(finished)}/{total} episodes, "
+                              f"{sum(finished)} succeeded")  # fmt: skip
+
+        sampled = await success_rate(eval_runner, tasks, self.config.eval.episodes_per_task, limit, at, done)
+        greedy_success = await success_rate(greedy, tasks, 1, limit, at, done)
         self.write({"step": self.state.step, "version": self.state.version, "heldout_success": sampled,
                     "heldout_success_greedy": greedy_success, "seed": self.learner.args.seed})  # fmt: skip
         return sampled, greedy_success

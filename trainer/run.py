@@ -146,6 +146,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                     return await loop.run(eval_runner, eval_tasks)
                 bar, update = _display(config.train.steps)
                 loop.writers.append(update)
+                loop.progress = lambda line: bar.console.print(line, highlight=False)
                 with bar:
                     return await loop.run(eval_runner, eval_tasks)
 

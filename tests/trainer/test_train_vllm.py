@@ -41,10 +41,13 @@ def _config(tmp_path: Path, upstream: str, steps: int, checkpoint_every: int = 1
 
 
 @pytest.mark.timeout(600)  # two evaluations and four steps, one run async beside its rollouts: about 5 min
-def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path) -> None:
+def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _config(tmp_path, vllm.url, steps=1)
     config.eval = EvalSection(split="heldout", episodes_per_task=1)
-    first = train(config, progress=False)
+    first = train(config)
+    # The evaluations (12 held-out tasks, sampled and greedy) say how far they are.
+    shown = capsys.readouterr().out
+    assert "held-out evaluation at step 0: 24/24 episodes" in shown and "at step 1: 24/24" in shown, shown[-2000:]
     out = tmp_path / "run"
     # Held-out success before and after, as the harness samples and greedy (the proxy sets
     # temperature 0 on the greedy sessions' calls, whatever the agent asks).
