@@ -7,7 +7,6 @@ comes from this machine unforwarded (no `Forwarded` / `X-Forwarded-For` / `X-Rea
 from __future__ import annotations
 
 import base64
-import contextlib
 import ipaddress
 import math
 import secrets
@@ -95,26 +94,30 @@ async def require_admin(request: Request) -> None:
     check_admin(request, _state(request).settings)
 
 
-def check_admin(request: Request, settings: Settings) -> None:
+def check_admin(request: Request, settings: Settings, basic: bool = False) -> None:
     """Without a token, only a request from this machine itself gets in: a loopback peer that no
     reverse proxy forwarded (a proxy on this machine forwarding the world is a loopback peer),
     addressed to a loopback name (a web page that rebinds its own name to 127.0.0.1 is not).
     A best effort: a forwarder that adds none of these headers is not told apart. The token comes
-    as a bearer token, or as the password of HTTP basic auth (what a browser can send)."""
+    as a bearer token or, with `basic` (the viewer: what a browser can send), as the password of
+    HTTP basic auth."""
     forwarded = any(name in request.headers for name in FORWARDING_HEADERS)
     host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
     local = request.client is not None and _loopback(request.client.host) and (host == "localhost" or _loopback(host))
     if settings.admin_open and local and not forwarded:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "basic":
-        with contextlib.suppress(ValueError):
-            token = base64.b64decode(token.strip()).decode("latin-1").partition(":")[2]
+    if basic and scheme.lower() == "basic":
+        try:
+            token = base64.b64decode(token.strip(), validate=True).decode("latin-1").partition(":")[2]
+        except ValueError:
+            token = ""
     elif scheme.lower() != "bearer":
         token = ""
     if not token or not settings.admin_token:
-        why = "a forwarded request or one from another machine" if settings.admin_open else "the admin API"
-        raise Unauthorized(f"{why} needs 'Authorization: Bearer <admin token>' (serve --admin-token)")
+        why = "a forwarded request or one from another machine" if settings.admin_open else "this"
+        raise Unauthorized(f"{why} needs the admin token (--admin-token): 'Authorization: Bearer <token>'"
+                           + (", or the token as the password of basic auth" if basic else ""))  # fmt: skip
     # As bytes: a header is read as latin-1, and compare_digest refuses non-ASCII text (a 500).
     if not secrets.compare_digest(token.strip().encode("latin-1"), settings.admin_token.encode()):
         raise Unauthorized("wrong admin token")

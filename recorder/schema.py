@@ -43,8 +43,8 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         "ALTER TABLE calls ADD COLUMN thread_start VARCHAR(256)",
     ],
     6: [  # the viewer's session list pages in start order and filters by status
-        "CREATE INDEX ix_sessions_created_at ON sessions (created_at)",
-        "CREATE INDEX ix_sessions_status ON sessions (status)",
+        "CREATE INDEX IF NOT EXISTS ix_sessions_created_at ON sessions (created_at)",
+        "CREATE INDEX IF NOT EXISTS ix_sessions_status ON sessions (status)",
     ],
 }
 

@@ -89,9 +89,12 @@ def _call_record(row: Any, completions: list[Completion]) -> CallRecord:
 class Store:
     """Sessions, calls and rewards in one SQL database. Use as `async with Store(url) as store`."""
 
-    def __init__(self, url: str, busy_timeout: float = 30.0) -> None:
-        """`busy_timeout`: seconds a SQLite write waits for another writer's lock before it fails."""
+    def __init__(self, url: str, busy_timeout: float = 30.0, readonly: bool = False) -> None:
+        """`busy_timeout`: seconds a SQLite write waits for another writer's lock before it fails.
+        `readonly` (the viewer): nothing is created or migrated, and a store that is not at this
+        schema version is refused."""
         self.url = async_url(url)
+        self.readonly = readonly
         options: dict[str, Any] = {
             "json_serializer": lambda obj: orjson.dumps(obj).decode(),
             "json_deserializer": orjson.loads,
@@ -125,6 +128,9 @@ class Store:
         await self.close()
 
     async def open(self) -> None:
+        if self.readonly:
+            await self._check_version()
+            return
         url = make_url(self.url)
         if url.drivername.startswith("sqlite") and url.database:
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +151,17 @@ class Store:
                 await conn.execute(delete(SchemaVersionRow))
                 await conn.execute(insert(SchemaVersionRow).values(version=SCHEMA_VERSION))
         self._writer = asyncio.create_task(self._write_loop(), name="recorder-writer")
+
+    async def _check_version(self) -> None:
+        shown = make_url(self.url).render_as_string(hide_password=True)
+        try:
+            async with self.engine.connect() as conn:
+                found = await conn.scalar(select(func.max(SchemaVersionRow.version)))
+        except (SQLAlchemyError, OSError) as exc:
+            raise SchemaMismatch(f"no rl-proxy store at {shown}: {store_error(exc)}") from exc
+        if found != SCHEMA_VERSION:
+            raise SchemaMismatch(f"{shown} has schema version {found}, and a read-only rl-proxy reads only "
+                                 f"{SCHEMA_VERSION}: `rl-proxy report --db ...` migrates it")  # fmt: skip
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -404,7 +421,8 @@ class Store:
         calls = select(func.count()).where(CallRow.session_id == SessionRow.id).scalar_subquery()
         by = {"created": SessionRow.created_at, "reward": reward, "calls": calls, "run": SessionRow.run,
               "task": SessionRow.task_id, "status": SessionRow.status}[sort]  # fmt: skip
-        order = [by.desc(), SessionRow.id.desc()] if descending else [by, SessionRow.id]
+        # Sessions without a value last either way, on SQLite as on PostgreSQL (which differ).
+        order = [by.desc().nulls_last(), SessionRow.id.desc()] if descending else [by.nulls_last(), SessionRow.id]
         query = self._filtered(select(SessionRow, reward, calls), reward, run=run, session_id=session_id,
                                group_id=group_id, task_id=task_id, status=status, min_reward=min_reward,
                                max_reward=max_reward)  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -102,6 +103,12 @@ def test_ui_refuses_a_missing_store_and_an_open_viewer_off_loopback(db: str, tmp
     assert not (tmp_path / "nothing.db").exists()
     open_off_loopback = runner.invoke(app, ["ui", "--db", db, "--host", "0.0.0.0"])
     assert open_off_loopback.exit_code == 2 and "--admin-token" in open_off_loopback.output
+    with sqlite3.connect(db) as conn:  # a store of the previous schema: read-only, it is not migrated
+        conn.execute("update schema_version set version = 6")
+    older = runner.invoke(app, ["ui", "--db", db])
+    assert older.exit_code == 2 and "schema version 6" in older.output
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("select version from schema_version").fetchall() == [(6,)]
 
 
 def test_report_summarises_a_run(db: str) -> None:

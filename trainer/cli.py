@@ -6,6 +6,7 @@ import them all."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,8 @@ import recorder.cli
 from harness_adapters.config import ConfigError, load_config
 from harness_adapters.tasks import TaskError
 from proxy.vllm import BackendError, ModelNotAvailable, SwapError, prepare_default_model, resolve_model
+from recorder.errors import SchemaMismatch
+from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import TrainError
 
@@ -124,9 +127,18 @@ def ui(
     from trainer.viewer import create_app, token_decoder
 
     store = db or Settings().db
-    if "://" not in store and not Path(store).exists():
-        console.print(f"[red]error:[/red] no store at {store}")
-        raise typer.Exit(2)
+
+    async def check() -> None:  # a missing or mistyped store is named here, not in a traceback
+        async with Store(store, readonly=True):
+            pass
+
+    try:
+        if "://" not in store and not Path(store).exists():
+            raise SchemaMismatch(f"no store at {store}")
+        asyncio.run(check())
+    except SchemaMismatch as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from exc
     if host not in LOOPBACK and not admin_token:
         console.print(f"[red]error:[/red] off loopback ({host}) the viewer needs --admin-token")
         raise typer.Exit(2)

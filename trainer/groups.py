@@ -80,6 +80,20 @@ def version_number(version: str | None) -> int:
     return int(version) if version is not None and version.isdigit() else 0
 
 
+def episode_reward(session: SessionInfo, calls: list[Any], failure_reward: float) -> tuple[float | None, str]:
+    """The reward an episode is trained with (None: dropped) and why it is not its own: "infra"
+    (the proxy or vLLM failed a call), "failed" (the harness crashed or timed out: scored
+    `failure_reward`), "unscored" (no reward), or "" (it is the session's reward)."""
+    if any(c.http_status >= 500 for c in calls):
+        return None, "infra"
+    harness = (session.metadata.get("outcome") or {}).get("status")
+    if session.status in ("failed", "timeout") and harness in ("failed", "timeout"):
+        return failure_reward, "failed"
+    if session.status != "ok" or session.reward is None:
+        return None, "unscored"
+    return float(session.reward), ""
+
+
 class GroupReader:
     """Samples with their advantages from finished groups; counts what it leaves out in `state`."""
 
@@ -157,17 +171,14 @@ class GroupReader:
 
     def reward(self, session: SessionInfo, calls: list[Any]) -> float | None:
         """The episode's reward to train on, or None (counted) if it is dropped."""
-        if any(c.http_status >= 500 for c in calls):
+        reward, why = episode_reward(session, calls, self.cfg.failure_reward)
+        if why == "infra":
             self.state.dropped_infra += 1
-            return None
-        harness = (session.metadata.get("outcome") or {}).get("status")
-        if session.status in ("failed", "timeout") and harness in ("failed", "timeout"):
+        elif why == "failed":
             self.state.failures_scored += 1
-            return self.cfg.failure_reward
-        if session.status != "ok" or session.reward is None:
+        elif why == "unscored":
             self.state.unscored += 1
-            return None
-        return float(session.reward)
+        return reward
 
     def sampling_refused(self, calls: list[Any]) -> str | None:
         """Why an episode's calls cannot be trained on as sampled, if they cannot: vLLM records

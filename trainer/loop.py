@@ -181,20 +181,24 @@ class TrainLoop:
         greedy = replace(eval_runner, run=f"{eval_runner.run}-greedy", workdir=eval_runner.workdir / "greedy",
                          sampling={"temperature": 0.0})  # fmt: skip
         limit, at = self.rollouts.limit, self.config.success_at
-        total = len(tasks) * (self.config.eval.episodes_per_task + 1)
-        finished: list[bool] = []
+        counts = {"sampled": len(tasks) * self.config.eval.episodes_per_task, "greedy": len(tasks)}
+        wins: dict[str, list[bool]] = {"sampled": [], "greedy": []}
         shown = time.monotonic()
 
-        def done(success: bool) -> None:  # a line every 10 s, the held-out evaluation takes minutes
-            nonlocal shown
-            finished.append(success)
-            if self.progress is not None and (time.monotonic() - shown > 10 or len(finished) == total):
-                shown = time.monotonic()
-                self.progress(f"held-out evaluation at step {self.state.step}: {len(finished)}/{total} episodes, "
-                              f"{sum(finished)} succeeded")  # fmt: skip
+        def done(kind: str) -> Callable[[bool], None]:  # a line every 10 s: evaluations take minutes
+            def finished(success: bool) -> None:
+                nonlocal shown
+                wins[kind].append(success)
+                if self.progress is not None and (time.monotonic() - shown > 10 or len(wins[kind]) == counts[kind]):
+                    shown = time.monotonic()
+                    n, won = len(wins[kind]), sum(wins[kind])
+                    self.progress(f"held-out evaluation at step {self.state.step}, {kind}: "
+                                  f"{n}/{counts[kind]} episodes, {won} succeeded")  # fmt: skip
 
-        sampled = await success_rate(eval_runner, tasks, self.config.eval.episodes_per_task, limit, at, done)
-        greedy_success = await success_rate(greedy, tasks, 1, limit, at, done)
+            return finished
+
+        sampled = await success_rate(eval_runner, tasks, self.config.eval.episodes_per_task, limit, at, done("sampled"))
+        greedy_success = await success_rate(greedy, tasks, 1, limit, at, done("greedy"))
         self.write({"step": self.state.step, "version": self.state.version, "heldout_success": sampled,
                     "heldout_success_greedy": greedy_success, "seed": self.learner.args.seed})  # fmt: skip
         return sampled, greedy_success

@@ -241,6 +241,8 @@ async def test_sessions_filtered_sorted_paged_counted_and_summed_by_run(db: str)
             await store.end_session(sid, "ok" if i % 2 else "failed")
         by_reward = await store.list_sessions(run="r1", sort="reward", descending=True)
         assert [(s.id, s.reward, s.calls) for s in by_reward] == [("s5", 1.0, 5), ("s3", 0.6, 3), ("s1", 0.2, 1)]
+        for descending in (False, True):  # s0, with no reward, last either way on both databases
+            assert (await store.list_sessions(sort="reward", descending=descending))[-1].id == "s0"
         page = await store.list_sessions(sort="calls", offset=2, limit=2)
         assert [s.id for s in page] == ["s2", "s3"]
         assert await store.count_sessions(min_reward=0.4, max_reward=0.8) == 3  # s2, s3, s4

@@ -47,7 +47,8 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     first = train(config)
     # The evaluations (12 held-out tasks, sampled and greedy) say how far they are.
     shown = capsys.readouterr().out
-    assert "held-out evaluation at step 0: 24/24 episodes" in shown and "at step 1: 24/24" in shown, shown[-2000:]
+    for step, kind in ((0, "sampled"), (0, "greedy"), (1, "sampled"), (1, "greedy")):
+        assert f"held-out evaluation at step {step}, {kind}: 12/12 episodes" in shown, shown[-2000:]
     out = tmp_path / "run"
     # Held-out success before and after, as the harness samples and greedy (the proxy sets
     # temperature 0 on the greedy sessions' calls, whatever the agent asks).

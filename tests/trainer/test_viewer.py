@@ -24,6 +24,7 @@ from trainer.viewer import PAGE, create_app, token_decoder
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples"
 CHROMIUM = shutil.which("chromium")
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 @pytest.mark.vllm
@@ -70,13 +71,12 @@ def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(proxy: Running
         assert "logprob" in page.locator("#tok").inner_text()
         page.screenshot(path=str(tmp_path / "session.png"), full_page=True)
         page.goto(f"{viewer.url}/groups/g1")
-        assert page.locator(".episode").count() == 1
+        assert page.locator(".episode").count() == 1 and "Not trained" in page.locator("main p").first.inner_text()
         browser.close()
     assert (tmp_path / "session.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _store_of_many(db: str, n: int) -> None:
-    start = datetime(2026, 11, 1, tzinfo=UTC)
 
     async def fill() -> None:
         async with Store(db) as store:
@@ -86,7 +86,7 @@ def _store_of_many(db: str, n: int) -> None:
                 await store.resolve_session(info)
                 await store.record(CallRecord(f"s{i:03d}", 1, "openai.chat", "m", "u", False, {"messages": []},
                                               {}, True, 200, None, [1, 2, 3], [Completion(0, [4, 5], [-0.1, -2.0],
-                                              "stop")], "0", "0", start, start))  # fmt: skip
+                                              "stop")], "0", "0", T0, T0))  # fmt: skip
                 await store.add_reward(f"s{i:03d}", (i % 4) / 3, "verifier")
                 await store.end_session(f"s{i:03d}", "ok" if i % 3 else "failed")
 
@@ -96,7 +96,10 @@ def _store_of_many(db: str, n: int) -> None:
 def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path: Path) -> None:
     db = str(tmp_path / "many.db")
     _store_of_many(db, 120)
-    app = create_app(db, decode=lambda ids: [f"<{i}>" for i in ids])
+    runs = tmp_path / "runs"
+    (runs / "live").mkdir(parents=True)
+    (runs / "live" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5, "rollout_reward": 0.4}\n{"step": 2, "rew')
+    app = create_app(db, runs, decode=lambda ids: [f"<{i}>" for i in ids])
     with AppThread(app) as viewer:
         get = httpx.Client(base_url=viewer.url).get
         first = get("/").text
@@ -108,12 +111,43 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
         assert "30 found" in best and best.index("s119") < best.index("s115")
         failed = get("/", params={"status": "failed", "task": "t0"}).text
         assert "8 found" in failed  # i % 3 == 0 and i % 5 == 0: every 15th of 120
+        assert first.count("<polyline") == 2  # the live run's finished line, its half-written one left out
         assert get("/", params={"sort": "nonsense"}).status_code == 422
+        assert get("/", params={"page": 10**20}).status_code == 422
         assert get("/sessions/nobody").status_code == 404
         page = get("/sessions/s005").text
         assert 'class="t s"' in page and "&lt;4&gt;" in page and "verifier" in page
-        group = get("/groups/g1").text  # s004-s007: rewards 0, 1/3, 2/3, 1
-        assert [float(a) for a in _cells(group, "advantage")] == pytest.approx([-1.162, -0.387, 0.387, 1.162], abs=1e-3)
+        # s004-s007: rewards 0, 1/3, 2/3, 1, but s006 ended "failed" with no harness outcome: the
+        # trainer leaves it out, and the advantages are those of the other three.
+        group = get("/groups/g1").text
+        assert _cells(group, "trained")[2].startswith("left out (no reward)")
+        advantages = [float(a) for i, a in enumerate(_cells(group, "advantage")) if i != 2]
+        assert advantages == pytest.approx([-0.873, -0.218, 1.091], abs=1e-3)
+
+
+def test_ids_with_slashes_and_query_characters_link_to_their_pages(tmp_path: Path) -> None:
+    db = str(tmp_path / "odd.db")
+    odd = "repo/issue#12 & more?"
+
+    async def fill() -> None:
+        async with Store(db) as store:
+            await store.resolve_session(SessionInfo(id=odd, key="k", run="a&b", group_id=f"run/{odd}"))
+            await store.record(CallRecord(odd, 1, "openai.chat", "m", "u", False, {}, {}, True, 200, None, [1],
+                                          [Completion(0, [2], [-0.5], "stop")], "0", "0", T0, T0))  # fmt: skip
+
+    asyncio.run(fill())
+    with AppThread(create_app(db, decode=lambda ids: [str(i) for i in ids])) as viewer:
+        client = httpx.Client(base_url=viewer.url)
+        index = client.get("/").text
+        links = [
+            part.split('"', 1)[0]
+            for part in index.split('href="')[1:]
+            if part.startswith(("/sessions/", "/groups/", "/?run"))
+        ]
+        assert len(links) == 3, links
+        for link in links:
+            shown = client.get(link.replace("&amp;", "&"))
+            assert shown.status_code == 200 and odd.replace("&", "&amp;") in shown.text, link
 
 
 def _cells(html: str, name: str) -> list[str]:
@@ -128,7 +162,9 @@ def test_off_loopback_the_viewer_asks_for_the_admin_token(tmp_path: Path) -> Non
     with AppThread(app) as viewer:
         refused = httpx.get(f"{viewer.url}/sessions/s000")
         assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
-        assert "Traceback" not in refused.text
+        assert "admin token" in refused.text
+        raw = httpx.get(f"{viewer.url}/", headers={"Authorization": "Basic secret"})  # not base64 of user:token
+        assert raw.status_code == 401
         wrong = base64.b64encode(b"me:guess").decode()
         assert httpx.get(f"{viewer.url}/", headers={"Authorization": f"Basic {wrong}"}).status_code == 401
         right = base64.b64encode(b"me:secret").decode()

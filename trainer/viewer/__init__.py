@@ -8,12 +8,14 @@ with their rewards and advantages. Server-rendered (Jinja2) with a little JavaSc
 fetched from elsewhere. Off loopback, or behind a forwarder, it asks for the admin token as the
 proxy's admin API does (a browser sends it as the password of basic auth).
 
-It sits in the trainer package because it shows what the trainer trains on: the advantages are
-the trainer's (trainer/grpo.py), with GRPO's defaults (group mean baseline, group std scale).
+It sits in the trainer package because it shows what the trainer trains on: a group's rewards
+and advantages are the trainer's (trainer/groups.py, trainer/grpo.py), with the defaults of a
+run's config (failure_reward 0, group mean baseline, group std scale).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -31,9 +33,11 @@ from pydantic import BeforeValidator
 from proxy.admin import check_admin
 from proxy.errors import Unauthorized
 from proxy.settings import Settings
-from recorder.records import CallRecord, SessionInfo
+from recorder.errors import StoreError, StoreValueError
 from recorder.store import Store
 from recorder.trajectories import WINDOW, TrainingSequence, build_sequences
+from trainer.config import TrainSection
+from trainer.groups import episode_reward
 from trainer.grpo import advantages
 
 HERE = Path(__file__).parent
@@ -121,9 +125,12 @@ def run_charts(runs: Path | None) -> list[tuple[str, Markup, Markup]]:
     for metrics in sorted([runs / "metrics.jsonl", *runs.glob("*/metrics.jsonl")]):
         if not metrics.is_file():
             continue
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        steps = [r for r in rows if "reward" in r]
-        evals = [r for r in rows if "heldout_success" in r]
+        rows = []
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a live run's half-written last line
+                rows.append(json.loads(line))
+        steps = [r for r in rows if isinstance(r, dict) and {"step", "reward"} <= r.keys()]
+        evals = [r for r in rows if isinstance(r, dict) and {"step", "heldout_success"} <= r.keys()]
         rewards = chart("reward per step", {
             "rollouts": [(r["step"], r["rollout_reward"]) for r in steps if r.get("rollout_reward") is not None],
             "trained groups": [(r["step"], r["reward"]) for r in steps],
@@ -141,7 +148,7 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
     """The viewer of the store at `db`; `decode` gives each token id's text (default: the default
     model's tokenizer); `host` and `admin_token` decide who may look, as for the proxy."""
     settings = Settings(db=db, host=host, admin_token=admin_token)
-    store = Store(db)
+    store = Store(db, readonly=True)
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.globals["fmt"] = lambda v, spec=".3f": "-" if v is None else format(v, spec)
 
@@ -154,10 +161,15 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
     app = FastAPI(title="rl-proxy viewer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
+    @app.exception_handler(StoreError)
+    async def store_failed(request: Request, exc: StoreError) -> Response:
+        status = 400 if isinstance(exc, StoreValueError) else 503
+        return PlainTextResponse(f"the store could not answer: {exc}", status)
+
     @app.middleware("http")
     async def admin_only(request: Request, call_next: Callable[[Request], Any]) -> Response:
         try:
-            check_admin(request, settings)
+            check_admin(request, settings, basic=True)
         except Unauthorized as exc:
             return PlainTextResponse(exc.message, 401, headers={"WWW-Authenticate": 'Basic realm="rl-proxy"'})
         response: Response = await call_next(request)
@@ -174,7 +186,7 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
         max_reward: Bound = None,
         sort: Literal["created", "reward", "calls", "run", "task", "status"] = "created",
         desc: bool = False,
-        page: int = Query(0, ge=0),
+        page: int = Query(0, ge=0, le=1_000_000),
     ) -> Response:
         filters: dict[str, Any] = {"run": run or None, "task_id": task or None, "group_id": group or None,
                    "status": status or None, "min_reward": min_reward, "max_reward": max_reward}  # fmt: skip
@@ -186,7 +198,7 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
             "page": page, "pages": max(1, math.ceil(total / PAGE)), "query": query, "sort": sort, "desc": desc,
         })  # fmt: skip
 
-    @app.get("/sessions/{session_id}", response_class=HTMLResponse)
+    @app.get("/sessions/{session_id:path}", response_class=HTMLResponse)
     async def session(request: Request, session_id: str) -> Response:
         info = await store.get_session(session_id)
         if info is None:
@@ -209,21 +221,21 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
         sessions = await store.list_sessions(group_id=group_id)
         if not sessions:
             return PlainTextResponse(f"no group {group_id!r} in this store", 404)
-        rewarded = [s.reward for s in sessions if s.reward is not None]
-        scale = iter(advantages(rewarded) if len(rewarded) > 1 else [0.0] * len(rewarded))
-        decode = request.app.state.decode
-        episodes = [(s, None if s.reward is None else next(scale), await _last_answer(store, s, decode))
-                    for s in sessions]  # fmt: skip
-        return templates.TemplateResponse(request, "group.html", {"group": group_id, "episodes": episodes})
+        decode, episodes = request.app.state.decode, []
+        for s in sessions:
+            calls = [c async for c in store.iter_calls(s.id)]
+            last = next((c for c in reversed(calls) if c.completions), None)
+            answer = "".join(decode(last.completions[0].token_ids)) if last else ""
+            episodes.append((s, *episode_reward(s, calls, TrainSection().failure_reward), answer))
+        scored = [reward for _, reward, _, _ in episodes if reward is not None]
+        trained = len(scored) >= 2 and max(scored) != min(scored)
+        values = iter(advantages(scored) if trained else [])
+        rows = [(s, reward, why, next(values) if trained and reward is not None else None, answer)
+                for s, reward, why, answer in episodes]  # fmt: skip
+        return templates.TemplateResponse(request, "group.html", {"group": group_id, "episodes": rows,
+                                                                  "trained": trained})  # fmt: skip
 
     return app
-
-
-async def _last_answer(store: Store, session: SessionInfo, decode: Decode) -> str:
-    last: CallRecord | None = None
-    async for call in store.iter_calls(session.id):
-        last = call if call.completions else last
-    return "".join(decode(last.completions[0].token_ids)) if last else ""
 
 
 def _as_json(value: Any) -> str:
