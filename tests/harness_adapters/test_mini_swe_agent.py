@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
@@ -18,11 +19,15 @@ from tests.support.stack import Upstream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+# The model's commands run in the shell example's sandbox (bubblewrap: everything read-only but
+# the work directory): an untrained SmolLM2 once deleted /bin/sh here.
+SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell" / "collect.yaml"
+SANDBOX = (argv := load_config(SHELL, CollectConfig).harness.argv)[: argv.index("--") + 1]  # type: ignore[union-attr]
 MINI = CommandAdapter(
-    ["mini", "-c", "mini_textbased.yaml", "-c", "agent.step_limit=2", "-c", "agent.cost_limit=0",
+    [*SANDBOX, "mini", "-c", "mini_textbased.yaml", "-c", "agent.step_limit=2", "-c", "agent.cost_limit=0",
      "-m", "openai/{model}", "-t", "{prompt}", "--yolo", "--exit-immediately", "-o", "{workdir}/trajectory.json"],
     env={"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
-         "MSWEA_GLOBAL_CONFIG_DIR": "{workdir}/.mini"},
+         "MSWEA_GLOBAL_CONFIG_DIR": "{workdir}/.mini", "TMPDIR": "{workdir}"},
 )  # fmt: skip
 
 
