@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -56,6 +57,11 @@ async def refresh_version(admin: httpx.AsyncClient) -> None:
     if not answer.is_success:
         raise SwapError(f"the proxy did not take the new policy version: HTTP {answer.status_code}: "
                         f"{answer.text[:300]}")  # fmt: skip
+
+
+def peak_gb() -> float:
+    """The most resident memory this process has held so far (Linux counts in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def resident_gb() -> float | None:
@@ -257,7 +263,7 @@ class TrainLoop:
             "unscored": self.state.unscored, "failures_scored": self.state.failures_scored,
             "dropped_infra": self.state.dropped_infra, "refused_sampling": self.state.refused_sampling,
             "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
-            "queue": self.queue.qsize(), "memory_gb": resident_gb(),
+            "queue": self.queue.qsize(), "memory_gb": resident_gb(), "peak_memory_gb": peak_gb(),
             **{k.replace("/", "_"): v for k, v in metrics.items()},
         }  # fmt: skip
         self.write(row)

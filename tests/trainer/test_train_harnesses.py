@@ -53,6 +53,7 @@ def test_one_step_through_the_harness(config_name: str, api: str, vllm: Upstream
     out = tmp_path / "run"
     [step] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
     assert step["samples"] >= 2 and step["skipped_equal"] == 0, step
+    assert step["peak_memory_gb"] >= step["memory_gb"] > 0
     sessions = read_store(str(out / "rl-proxy.db"), lambda s: s.list_sessions())
     trained = [s for s in sessions if s.group_id in result["consumed"]]
     assert len(trained) == 2 and all(s.reward is not None for s in trained)
