@@ -15,6 +15,7 @@ N; every `checkpoint_every` steps (and at the last) that version is also the che
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -272,6 +273,17 @@ class TrainLoop:
             await self.evaluate(eval_runner, eval_tasks)
 
 
+def read_metrics(metrics_file: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A run's metrics.jsonl: its step rows and its evaluation rows (a live run's half-written
+    last line is left out)."""
+    rows = []
+    for line in metrics_file.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    rows = [r for r in rows if isinstance(r, dict) and "step" in r]
+    return [r for r in rows if "reward" in r], [r for r in rows if "heldout_success" in r]
+
+
 def plot(metrics_file: Path, out: Path) -> Path | None:
     """Reward and held-out success against step, as a PNG."""
     import matplotlib
@@ -279,9 +291,7 @@ def plot(metrics_file: Path, out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "reward" in r]
-    evals = [r for r in rows if "heldout_success" in r]
+    steps, evals = read_metrics(metrics_file)
     if not steps and not evals:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))

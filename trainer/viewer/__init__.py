@@ -15,7 +15,6 @@ run's config (failure_reward 0, group mean baseline, group std scale).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +38,7 @@ from recorder.trajectories import WINDOW, TrainingSequence, build_sequences
 from trainer.config import TrainSection
 from trainer.groups import episode_reward
 from trainer.grpo import advantages
+from trainer.loop import read_metrics
 
 HERE = Path(__file__).parent
 PAGE = 50  # sessions a page
@@ -90,8 +90,8 @@ def chart(title: str, series: dict[str, list[tuple[float, float]]], unit: Litera
     sx = (width - 2 * pad) / ((x1 - x0) or 1)
     sy = (height - 2 * pad) / ((y1 - y0) or 1)
 
-    def xy(p: tuple[float, float]) -> str:
-        return f"{pad + (p[0] - x0) * sx:.1f},{height - pad - (p[1] - y0) * sy:.1f}"
+    def xy(p: tuple[float, float]) -> tuple[float, float]:
+        return round(pad + (p[0] - x0) * sx, 1), round(height - pad - (p[1] - y0) * sy, 1)
 
     def label(v: float) -> str:
         return f"{v:.0%}" if unit == "%" else f"{v:g}"
@@ -108,10 +108,10 @@ def chart(title: str, series: dict[str, list[tuple[float, float]]], unit: Litera
     for k, (name, line) in enumerate(series.items()):
         colour = colours[k % len(colours)]
         if line:
+            at = [xy(p) for p in line]
             parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
-                         f'points="{" ".join(xy(p) for p in line)}"/>')  # fmt: skip
-            parts += [f'<circle cx="{xy(p).split(",")[0]}" cy="{xy(p).split(",")[1]}" r="2.2" fill="{colour}"/>'
-                      for p in line if len(line) < 40]  # fmt: skip
+                         f'points="{" ".join(f"{x},{y}" for x, y in at)}"/>')  # fmt: skip
+            parts += [f'<circle cx="{x}" cy="{y}" r="2.2" fill="{colour}"/>' for x, y in at if len(at) < 40]
         parts.append(f'<text x="{pad + 150 * k}" y="{height - 4}" class="cl" fill="{colour}">'
                      f'&#9632; {Markup.escape(name)}</text>')  # fmt: skip
     return Markup("".join(parts) + "</svg>")
@@ -125,12 +125,7 @@ def run_charts(runs: Path | None) -> list[tuple[str, Markup, Markup]]:
     for metrics in sorted([runs / "metrics.jsonl", *runs.glob("*/metrics.jsonl")]):
         if not metrics.is_file():
             continue
-        rows = []
-        for line in metrics.read_text().splitlines():
-            with contextlib.suppress(ValueError):  # a live run's half-written last line
-                rows.append(json.loads(line))
-        steps = [r for r in rows if isinstance(r, dict) and {"step", "reward"} <= r.keys()]
-        evals = [r for r in rows if isinstance(r, dict) and {"step", "heldout_success"} <= r.keys()]
+        steps, evals = read_metrics(metrics)
         rewards = chart("reward per step", {
             "rollouts": [(r["step"], r["rollout_reward"]) for r in steps if r.get("rollout_reward") is not None],
             "trained groups": [(r["step"], r["reward"]) for r in steps],
