@@ -67,6 +67,9 @@ class Upstream:
             self._headers["Authorization"] = aiohttp.BasicAuth(unquote(user), unquote(password)).encode()
         self._poller: asyncio.Task[None] | None = None
         self._version_misses = 0
+        # Reads of the version in the order they were sent: an older read answered late (the
+        # poll's, sent just before a swap) must not undo a newer one (the trainer's announce).
+        self._version_reads_sent = self._version_read_applied = 0
         self.alive = True
 
     def note_stream_gap(self, why: str) -> None:
@@ -131,12 +134,16 @@ class Upstream:
     async def refresh_version(self, patient: bool = True) -> bool:
         """Read the weight version once; False if the upstream has no such route. `patient`
         (the poll): a failed read is a warning only once VERSION_PATIENCE failed in a row."""
+        self._version_reads_sent += 1
+        read = self._version_reads_sent
         try:
             async with self.session.get(f"{self.root}/weight_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status == 404:
                     return False
                 if resp.ok:
-                    self.version = str((await resp.json(loads=orjson.loads)).get("weight_version"))
+                    version = str((await resp.json(loads=orjson.loads)).get("weight_version"))
+                    if read > self._version_read_applied:
+                        self.version, self._version_read_applied = version, read
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
             self._version_misses += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -10,6 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from aiohttp import web
 
 from proxy.capture import Capture, client_view
 from proxy.responses import RecentResponses
@@ -133,6 +136,38 @@ async def test_slow_version_reads_are_not_warnings_until_they_last(caplog: Any) 
         assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     finally:
         await upstream.close()
+
+
+async def test_a_late_answer_to_an_older_version_read_does_not_undo_a_newer_one() -> None:
+    """The poll's read, sent before a swap and answered after the trainer's own read of the new
+    version, must not set the old version back (seen in CI: 16 streams ended stamped "0")."""
+    served = {"version": "0"}
+    delays = [0.5, 0.0]  # in order of arrival: the poll's read is slow, the announce's is not
+
+    async def weight_info(request: web.Request) -> web.Response:
+        version = served["version"]  # read when the request arrives, answered after its delay
+        await asyncio.sleep(delays.pop(0))
+        return web.json_response({"weight_version": version})
+
+    app = web.Application()
+    app.router.add_get("/weight_info", weight_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    upstream = Upstream(f"http://127.0.0.1:{port}/v1", timeout=5, connect_timeout=1)
+    try:
+        poll = asyncio.create_task(upstream.refresh_version())
+        await asyncio.sleep(0.2)
+        served["version"] = "1"  # the swap
+        await upstream.refresh_version(patient=False)  # the trainer's announce: answered first
+        assert upstream.version == "1"
+        await poll
+        assert upstream.version == "1"
+    finally:
+        await upstream.close()
+        await runner.cleanup()
 
 
 async def test_streams_are_asked_for_whole_only_after_a_real_gap_and_not_for_good(caplog: Any) -> None:
