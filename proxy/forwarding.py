@@ -201,7 +201,8 @@ class Call:
             prompt_token_ids=capture.prompt_token_ids,
             completions=capture.completions(),
             policy_version=self.version,
-            policy_version_end=self.upstream.version,
+            # With LoRA adapters the base weights never change and a call keeps its adapter.
+            policy_version_end=self.version if self.upstream.adapters else self.upstream.version,
             started_at=self.started,
             finished_at=utcnow(),
             rewrites=self.rewrites,
@@ -332,7 +333,7 @@ async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: Sessi
     model = body.get("model")
     policy = settings.policy_model or next(iter(served), None)
     target = settings.model_aliases.get(str(model))
-    if target is None and settings.route_unknown_models and model not in served:
+    if target is None and settings.route_unknown_models and model not in served.keys() | state.upstreams.first.adapters:
         target = policy
     if target is not None and target != model:
         body["model"] = target
@@ -352,9 +353,13 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
     """Send the upstream request: (the response, its parsed JSON body if not streamed). Every
     way it can fail is recorded as a failed call and raised as a named ProxyError."""
     upstreams = call.state.upstreams
+    asked = body.get("model")
     while True:
         if call.stream and not call.upstream_stream:
             body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        if isinstance(asked, str) and (adapter := call.upstream.serving(asked, call.version)) != asked:
+            body = body | {"model": adapter}  # LoRA: the adapter of the version the call is stamped with
+            call.rewrites["model"] = [call.rewrites.get("model", [asked])[0], adapter]
         try:
             resp = await call.upstream.send("POST", path, body)
             raw = b"" if call.upstream_stream and resp.ok else await call.upstream.read(resp)

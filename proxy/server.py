@@ -43,6 +43,7 @@ def backend_for(settings: Settings, progress: bool = True) -> Iterator[tuple[Set
         max_model_len=settings.max_model_len,
         tool_call_parser=settings.tool_call_parser,
         extra_args=settings.vllm_args,
+        lora_rank=settings.max_lora_rank,
     )
     if progress:
         print(f"vLLM log: {vllm.log_file}")

@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     tool_call_parser: str = Field("hermes", description="vLLM tool-call parser for the model")
     vllm_startup_timeout: float = 900.0
     vllm_args: list[str] = Field(default_factory=list, description="extra vLLM arguments")
+    max_lora_rank: int = Field(
+        0, ge=0, le=512, description="a launched vLLM takes LoRA adapters loaded at runtime up to this rank; 0: none"
+    )
     log_dir: Path = Field(default_factory=lambda: data_dir() / "logs")
 
     @property

@@ -11,6 +11,10 @@ CPU per request (measured with cProfile while running `make bench`), more than t
 budget of the proxy. The version is vLLM's `GET /weight_info` (at the server root, beside
 `/v1`), polled in the background so that no request waits for it; an upstream without that
 route (any other provider) has version None.
+
+With LoRA the trainer loads each new version into vLLM as an adapter named `adapter_name(model,
+version)` and sets the weight version to match; a call for the base model is then sent to the
+adapter of the version it is stamped with (`Upstream.serving`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ STREAM_GAP_SECONDS = 600.0  # how long a stream that lost token ids makes stream
 VERSION_PATIENCE = 30  # version reads in a row that fail before it is worth a warning
 
 
+def adapter_name(model: str, version: str) -> str:
+    """The name under which the trainer loads a LoRA version of `model` into vLLM."""
+    return f"{model}-v{version}"
+
+
 class UpstreamDown(UpstreamUnreachable):
     """The connection was refused: the request never reached the server, so another may take it."""
 
@@ -53,6 +62,7 @@ class Upstream:
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.version: str | None = None
         self.models: dict[str, int | None] = {}  # served model -> its context length, if known
+        self.adapters: set[str] = set()  # the LoRA adapters it serves
         # Why streamed calls are asked for whole and replayed to the client as a stream
         # (forwarding.open_upstream), if they are: one of its streams sent text without token ids.
         self.stream_gap: str | None = None
@@ -129,7 +139,14 @@ class Upstream:
         except (ProxyError, ValueError) as exc:
             log.warning("served models not read from %s: %s", self.base_url, exc)
             return
-        self.models = {m["id"]: m.get("max_model_len") for m in data.get("data") or [] if isinstance(m, dict)}
+        cards = [m for m in data.get("data") or [] if isinstance(m, dict)]
+        self.models = {m["id"]: m.get("max_model_len") for m in cards if not m.get("parent")}
+        self.adapters = {m["id"] for m in cards if m.get("parent")}
+
+    def serving(self, model: str, version: str | None) -> str:
+        """The name to ask for `model` at `version`: its LoRA adapter, if one is loaded."""
+        adapter = adapter_name(model, version) if version is not None else None
+        return adapter if adapter in self.adapters else model
 
     async def refresh_version(self, patient: bool = True) -> bool:
         """Read the weight version once; False if the upstream has no such route. `patient`
@@ -140,10 +157,7 @@ class Upstream:
             async with self.session.get(f"{self.root}/weight_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status == 404:
                     return False
-                if resp.ok:
-                    version = str((await resp.json(loads=orjson.loads)).get("weight_version"))
-                    if read > self._version_read_applied:
-                        self.version, self._version_read_applied = version, read
+                version = str((await resp.json(loads=orjson.loads)).get("weight_version")) if resp.ok else None
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
             self._version_misses += 1
@@ -151,6 +165,10 @@ class Upstream:
             why = "weight version not read from %s (%d times in a row): %s"
             log.log(logging.WARNING if loud else logging.DEBUG, why, self.base_url, self._version_misses, exc)
             return True
+        if version is not None and version != self.version and read > self._version_read_applied:
+            await self.refresh_models()  # a new version may be a LoRA adapter: known before calls go to it
+        if version is not None and read > self._version_read_applied:
+            self.version, self._version_read_applied = version, read
         if self._version_misses >= VERSION_PATIENCE:
             log.warning("weight version read from %s again", self.base_url)
         self._version_misses = 0

@@ -18,6 +18,8 @@
   serving, never a half-loaded one. On GPU clusters vLLM's NCCL weight-transfer endpoints
   (`init_weight_transfer_engine`, `update_weights` with `--weight-transfer-config`) skip the
   disk round-trip and are the faster path there. They need CUDA and are not used here.
+- LoRA (`load_adapter`): each version is a runtime-loaded adapter under its own name; nothing
+  pauses, since a call keeps the adapter it started with.
 
 The proxy reads a server's weight version with every call it forwards (upstream.py).
 """
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from proxy.upstream import adapter_name
 from recorder.paths import DEFAULT_MODEL_NAME, default_model_dir
 
 log = logging.getLogger("rl_proxy.vllm")
@@ -60,6 +63,14 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
+
+
+def lora_slot(rank: int) -> int:
+    """The smallest `--max-lora-rank` that holds adapters of `rank`."""
+    return next(r for r in LORA_RANKS if r >= rank)
+
+
 LOG_EVERY = 10.0  # seconds between progress lines when the output is not a terminal
 
 
@@ -76,7 +87,10 @@ class VllmServer:
         max_model_len: int = 4096,
         tool_call_parser: str = "hermes",
         extra_args: list[str] | None = None,
+        lora_rank: int = 0,
     ) -> None:
+        """`lora_rank`: adapters up to this rank can be loaded at runtime (LoRA training); two
+        at a time, the newest version and the one before it (calls routed before a swap)."""
         self.model = model
         self.served_name = served_name
         self.port = port or free_port()
@@ -93,6 +107,7 @@ class VllmServer:
             # Logprobs of the distribution tokens were sampled from (after temperature, top-p):
             # the behaviour policy that GRPO's importance ratios need.
             "--logprobs-mode", "processed_logprobs",
+            *(["--enable-lora", "--max-lora-rank", str(lora_slot(lora_rank)), "--max-loras", "2"] if lora_rank else []),
             *(extra_args or []),
         ]  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None
@@ -115,6 +130,7 @@ class VllmServer:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
             "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter, used only with --enable-lora
         }
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
@@ -295,6 +311,46 @@ async def hot_swap(
                     await _post(client, f"{root}/resume")
             longest = max(longest, time.perf_counter() - start)
     return longest
+
+
+async def load_adapter(
+    roots: list[str],
+    adapter: Path,
+    model: str,
+    version: str,
+    announce: Callable[[], Awaitable[None]] | None = None,
+    retire: str | None = None,
+) -> float:
+    """Load the LoRA `adapter` into every server as `version` of `model` (named by
+    `adapter_name`), set the weight version to match and `announce` it: calls from then on go
+    to it (proxy/upstream.py), and calls already running finish on the adapter they started
+    with. Nothing pauses. The adapter of version `retire` is then unloaded. Returns the seconds
+    until the new version was announced."""
+    if not (adapter / "adapter_config.json").exists():
+        raise SwapError(f"{adapter}: no LoRA adapter (adapter_config.json) to load")
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        body = {"lora_name": adapter_name(model, version), "lora_path": str(adapter.resolve()), "load_inplace": True}
+        for root in roots:
+            try:
+                await _post(client, f"{root}/v1/load_lora_adapter", json=body)
+            except SwapError as exc:
+                raise SwapError(f"vLLM at {root} did not load the adapter ({exc}); it takes adapters at runtime when "
+                                "started with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                                "(the proxy's max_lora_rank does this for the vLLM it launches)") from exc  # fmt: skip
+        for root in roots:
+            await _post(client, f"{root}/update_weight_version", json={"new_version": version})
+        if announce is not None:
+            await announce()
+        announced = time.perf_counter() - start
+        if retire is not None:
+            old = {"lora_name": adapter_name(model, retire)}
+            for root in roots:
+                try:
+                    await _post(client, f"{root}/v1/unload_lora_adapter", json=old)
+                except SwapError as exc:  # already gone (a restarted vLLM): nothing to free
+                    log.info("adapter of version %s not unloaded from %s: %s", retire, root, exc)
+    return announced
 
 
 async def set_version(root: str, version: str) -> None:

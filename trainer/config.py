@@ -13,6 +13,8 @@ harness_adapters/examples/arithmetic/train.yaml.
       grpo:                     # TRL GRPOConfig fields, with TRL's meaning and defaults
         loss_type: dapo
         learning_rate: 2.0e-5
+      lora:                     # train LoRA adapters only (PEFT LoraConfig fields); each version
+        r: 16                   # is loaded into vLLM as an adapter, without pausing it
     eval:
       split: heldout
       episodes_per_task: 4
@@ -27,6 +29,8 @@ from pydantic import Field, model_validator
 
 from harness_adapters.config import CollectConfig, Strict
 from trainer.grpo import GRPO_KEYS, grpo_fields
+
+LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
 
 class TrainSection(Strict):
@@ -48,6 +52,7 @@ class TrainSection(Strict):
     )
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     grpo: dict[str, Any] = Field(default_factory=dict, description="TRL GRPOConfig fields")
+    lora: dict[str, Any] | None = Field(None, description="PEFT LoraConfig fields: train adapters only")
 
     @model_validator(mode="after")
     def known(self) -> TrainSection:
@@ -61,6 +66,17 @@ class TrainSection(Strict):
                     + ([f"{foreign} are not GRPOConfig fields"] if foreign else [])
                 ) + f"; used here: {sorted(GRPO_KEYS)}"
             )  # fmt: skip
+        if self.lora is not None:
+            import dataclasses
+
+            from peft import LoraConfig
+
+            fields = {f.name for f in dataclasses.fields(LoraConfig)}
+            if set(self.lora) - fields:
+                raise ValueError(f"lora: {sorted(set(self.lora) - fields)} are not PEFT LoraConfig fields")
+            self.lora = {**LORA_DEFAULTS, **self.lora}
+            if not isinstance(self.lora["r"], int) or not 1 <= self.lora["r"] <= 512:
+                raise ValueError("lora: r must be a whole number from 1 to 512 (the ranks vLLM serves)")
         if self.grpo.get("fp16"):
             import torch
 
@@ -88,4 +104,9 @@ class TrainConfig(CollectConfig):
             raise ValueError(
                 "proxy: with 'url' (a running proxy), training also needs its 'db' and its vLLM 'upstream'"
             )
+        rank = (self.train.lora or {}).get("r", 0)
+        if rank > p.max_lora_rank:
+            if "max_lora_rank" in p.model_fields_set:
+                raise ValueError(f"proxy: max_lora_rank {p.max_lora_rank} is below the adapters' rank ({rank})")
+            p.max_lora_rank = rank  # the vLLM launched for the run takes the adapters
         return self

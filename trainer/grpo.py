@@ -5,7 +5,7 @@ generates inside `_prepare_inputs` and walks an epoch-based dataloader, while he
 arrive from the store while rollouts go on, are filtered by staleness when a step starts, and
 weights are swapped into vLLM between steps. (TRL's own asynchronous trainer needs CUDA and
 FlashAttention.) So the loop is ours, and everything inside a step is TRL's: the model wrapper
-(reference model for `beta`, accelerate; PEFT/LoRA is not wired in yet), the optimizer and scheduler from its
+(reference model for `beta`, accelerate, PEFT for LoRA), the optimizer and scheduler from its
 `TrainingArguments`, the per-token logprobs at the sampling temperature and `compute_loss`
 for every `loss_type`, importance-sampling level, clipping and KL term, with TRL's metrics.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import math
 import statistics
 from collections.abc import Iterator, Sequence
@@ -109,7 +110,7 @@ def length_buckets(lengths: Sequence[int], most: int, overhead: int = 16) -> lis
 
 def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     """Whether `shared_prefix_logps` computes what TRL's padded batch does for this model: one
-    process and no wrapper or adapter around it, no checkpointed layer (it drops the cache), a
+    process and no wrapper around it (a PEFT model is fine), no checkpointed layer (it drops the cache), a
     plain key/value cache in every layer (a sliding window keeps only its last keys, a linear
     attention layer has none), and RoPE whose frequencies do not depend on a pass's longest
     position (dynamic, longrope)."""
@@ -123,7 +124,6 @@ def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     return (
         accelerator.distributed_type == DistributedType.NO
         and unwrapped is model
-        and not hasattr(unwrapped, "peft_config")
         and not unwrapped.is_gradient_checkpointing
         and not (isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"))
         and all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
@@ -158,12 +158,13 @@ def shared_prefix_logps(
     lengths = (attention_mask[:, width:].cumsum(1).argmax(1) + 1).tolist()
     rows_done, logps, entropies = [], [], []
     unwrapped = accelerator.unwrap_model(model)
+    causal = unwrapped.get_base_model() if hasattr(unwrapped, "peft_config") else unwrapped  # LoRA layers inside
     for prompt, rows in groups.items():
         head = torch.tensor([prompt[:-1]], device=input_ids.device)
         cache = DynamicCache(config=unwrapped.config)
         if head.size(1):  # the prompt but its last token, whose output scores the first sampled one
             with accelerator.autocast():
-                unwrapped.base_model(input_ids=head, past_key_values=cache, use_cache=True)
+                causal.base_model(input_ids=head, past_key_values=cache, use_cache=True)
         for bucket in length_buckets([lengths[r] for r in rows], batch_size or len(rows)):
             part = [rows[i] for i in bucket]
             used = max(lengths[r] for r in part)
@@ -201,9 +202,13 @@ class Learner:
         total_steps: int,
         micro_batch: int = 8,
         reference: str | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """The policy from `model_path`; with `beta`, the KL reference is `reference` (the base
-        model, when `model_path` is a checkpoint resumed from) or else the policy as loaded."""
+        model, when `model_path` is a checkpoint resumed from) or else the policy as loaded.
+        With `lora` (LoraConfig fields) only adapters on the base model `reference` are trained,
+        and `model_path`, if not the base, is a saved adapter to go on from; the KL reference
+        is then the base model (the adapter disabled)."""
         import torch
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -220,21 +225,38 @@ class Learner:
         set_seed(args.seed)
         self.args = args
         self.micro_batch = micro_batch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if cpu else "auto")
+        self.lora = lora
+        adapter = Path(model_path) if lora and (Path(model_path) / "adapter_config.json").exists() else None
+        weights = reference if adapter is not None and reference else model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(weights)
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32 if cpu else "auto")
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peft_config = None
+        if lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(task_type="CAUSAL_LM", **lora)
         self.trl = GRPOTrainer(
             model=model, args=args, processing_class=self.tokenizer,
             reward_funcs=[lambda completions, **_: [0.0] * len(completions)],  # rewards come from the store
-            train_dataset=Dataset.from_list([{"prompt": ""}] * 2),
+            train_dataset=Dataset.from_list([{"prompt": ""}] * 2), peft_config=peft_config,
         )  # fmt: skip
+        if adapter is not None:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(self.trl.model, load_file(adapter / "adapter_model.safetensors"))
         if self.trl.ref_model is not None and reference is not None and reference != model_path:
             base = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32 if cpu else "auto")
             self.trl.ref_model.load_state_dict(base.state_dict())
         self.trl.create_optimizer_and_scheduler(num_training_steps=total_steps)
-        self.model = self.trl.model
-        self.device = self.trl.accelerator.device
+        accelerator = self.trl.accelerator
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        # Several processes (accelerate launch, torchrun): DDP, which starts every rank from rank
+        # 0's weights and averages the gradients of each backward pass.
+        self.model = accelerator.prepare_model(self.trl.model) if self.world > 1 else self.trl.model
+        self.device = accelerator.device
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged"), 0.0)  # a step's, see `step`
         self._computed: list[Any] = []  # the policy's logprobs of the micro-batch in `loss`
@@ -307,11 +329,15 @@ class Learner:
             judged = (mask if diff.size(1) > 1 else mask.sum(-1, keepdim=True)) > 0
             self._sums["capped"] += float(((ratio != torch.exp(diff)) & judged).sum())
             self._sums["judged"] += float(judged.sum())
-        if trl.beta != 0.0:  # TRL keeps a frozen copy of the starting model as the reference
-            with torch.no_grad():
-                ref, _, _ = trl._get_per_token_logps_and_entropies(
-                    trl.ref_model, ids, attention, keep, self.micro_batch
-                )
+        if trl.beta != 0.0:  # the reference: TRL's frozen copy of the starting model, or the base under LoRA
+            with torch.no_grad(), contextlib.ExitStack() as scope:
+                reference = trl.ref_model
+                if self.lora:
+                    from trl.trainer.utils import use_adapter
+
+                    reference = self.model
+                    scope.enter_context(use_adapter(trl.accelerator.unwrap_model(self.model), adapter_name=None))
+                ref, _, _ = trl._get_per_token_logps_and_entropies(reference, ids, attention, keep, self.micro_batch)
             batch["ref_per_token_logps"] = ref
         return batch
 
@@ -366,27 +392,58 @@ class Learner:
         return out
 
     def part_losses(self, samples: list[Sample]) -> Iterator[Any]:
-        """The loss of each micro-batch of a step, weighted so that they add up to the loss of the
-        whole batch taken at once. TRL divides each part's own mean by the number of parts, right
-        only when the parts are even: in parts of [8, 8, 1] the lone sequence would weigh 8x. The
-        token-normalised losses (dapo, cispo, vespo) already divide by the whole batch's count."""
+        """The loss of each micro-batch of this rank's shard of a step, weighted so that (averaged
+        over the ranks by DDP) they add up to the loss of the whole batch taken at once. TRL
+        divides each part's own mean by the number of parts, right only when the parts are even:
+        in parts of [8, 8, 1] the lone sequence would weigh 8x. The token-normalised losses (dapo,
+        cispo, vespo) already divide by the whole batch's count (over the ranks)."""
         # Rows of one prompt together and of like lengths together: a micro-batch is mostly one
         # group, run from its shared prompt, with little padding after it.
         ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
-        parts = [ordered[i : i + self.micro_batch] for i in range(0, len(ordered), self.micro_batch)]
+        # As many parts on every rank (TRL gathers its metrics across the ranks in each), of even sizes.
+        count = -(-len(ordered) // self.micro_batch)
+        count = -(-count // self.world) * self.world
+        cuts = [i * len(ordered) // count for i in range(count + 1)]
+        parts = [ordered[a:b] for a, b in itertools.pairwise(cuts)][self.rank :: self.world]
         num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
         for part in parts:
-            batch = self.inputs(part, num_items)
-            if self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
+            batch = self.inputs(part or ordered[:1], num_items)  # fewer rows than ranks: a pass that weighs 0
+            if not part:
+                weight = 0.0
+            elif self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
                 weight = 1.0
             elif self.args.loss_type == "bnpo":  # a mean over the part's tokens
-                weight = len(parts) * float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
+                weight = count * float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
             else:  # a mean over the part's sequences
-                weight = len(parts) * len(part) / len(samples)
+                weight = count * len(part) / len(samples)
             yield self.loss(batch, len(parts)) * weight
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step on these samples (in micro-batches); TRL's metrics for it."""
+        """One optimizer step on these samples (in micro-batches); TRL's metrics for it. With
+        several processes rank 0 calls this, and the samples go to every rank (`follow`)."""
+        if self.world > 1:
+            self._broadcast(samples)
+        return self._step(samples)
+
+    def follow(self) -> None:
+        """Every rank but 0: step on rank 0's batches (each rank on its shard) until it stops."""
+        while (samples := self._broadcast(None)) is not None:
+            self._step(samples)
+
+    def stop_followers(self) -> None:
+        if self.world > 1 and self.rank == 0:
+            self._broadcast(None)
+
+    def _broadcast(self, samples: list[Sample] | None) -> list[Sample] | None:
+        import torch.distributed as dist
+
+        box = [samples]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _step(self, samples: list[Sample]) -> dict[str, float]:
+        import torch
+
         trl = self.trl
         self.model.train()
         trl._metrics["train"].clear()
@@ -395,6 +452,10 @@ class Learner:
         for loss in self.part_losses(samples):
             trl.accelerator.backward(loss)
             total += float(loss.detach())
+        if self.world > 1:  # the loss and the off-policy sums over every rank's shard
+            summed = trl.accelerator.reduce(torch.tensor([total / self.world, *self._sums.values()]), "sum")
+            total, *sums = summed.tolist()
+            self._sums = dict(zip(self._sums, sums, strict=True))
         grad_norm = trl.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         trl.optimizer.step()
         trl.lr_scheduler.step()

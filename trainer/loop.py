@@ -33,7 +33,7 @@ import httpx
 from harness_adapters.rollouts import Rollouts, success_rate
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
-from proxy.vllm import SwapError, hot_swap
+from proxy.vllm import SwapError, hot_swap, load_adapter
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import GroupReader, LoopState
@@ -92,11 +92,12 @@ class TrainLoop:
         store: Store,
         vllm_roots: list[str],
         base_weights: Path,
+        served_model: str,
         state: LoopState | None = None,
     ) -> None:
         self.config, self.cfg = config, config.train
         self.learner, self.rollouts = learner, rollouts
-        self.roots = vllm_roots
+        self.roots, self.served_model = vllm_roots, served_model
         self.out = config.out_dir
         self.state = state or LoopState()
         generation = base_weights / "generation_config.json"  # vLLM's defaults where a request sets none
@@ -104,6 +105,7 @@ class TrainLoop:
         self.groups = GroupReader(config, store, self.state, learner.args.scale_rewards, learner.args.temperature,
                                   defaults)  # fmt: skip
         # The weights vLLM serves: loaded back if a swap fails.
+        self.base = base_weights
         self.weights = base_weights if state is None else self.out / "versions" / f"v{self.state.version}"
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
         self.pending: list[str] = []  # groups finished before a restart, taken first
@@ -159,9 +161,8 @@ class TrainLoop:
             self.state.step - self.checkpointed >= self.cfg.checkpoint_every or self.state.step >= self.cfg.steps
         )
         await self.in_learner(self.learner.save, directory, resumable)
-
         try:
-            paused = await hot_swap(self.roots, directory, str(version), self.weights, lambda: refresh_version(admin))
+            paused = await self.serve(directory, str(version), admin)
         except SwapError:
             shutil.rmtree(directory, ignore_errors=True)
             raise
@@ -170,13 +171,25 @@ class TrainLoop:
         if resumable:
             self.state.save(directory / "state.json")
             self.checkpointed = self.state.step
-        newest = latest_checkpoint(self.out)
+        kept = {latest_checkpoint(self.out), self.weights}
+        if self.learner.lora:  # the adapter before stays loaded in vLLM (calls routed before the swap)
+            kept.add(self.out / "versions" / f"v{version - 1}")
         older = sorted((d for d in (self.out / "versions").glob("v*") if d.name[1:].isdigit()),
                        key=lambda d: int(d.name[1:]))[: -self.cfg.keep_versions]  # fmt: skip
         for old in older:
-            if old != newest and old != self.weights:
+            if old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
         return paused
+
+    async def serve(self, directory: Path, version: str, admin: Any) -> float:
+        """Have every vLLM serve the weights (or LoRA adapter) in `directory` as `version`; the
+        seconds until it does (with full weights, vLLM is paused meanwhile)."""
+        announce = lambda: refresh_version(admin)  # noqa: E731
+        if self.learner.lora:
+            retire = str(int(version) - 2) if int(version) >= 2 else None
+            return await load_adapter(self.roots, directory, self.served_model, version, announce, retire)
+        previous = self.weights if self.weights != directory else self.base  # loaded back if this fails
+        return await hot_swap(self.roots, directory, version, previous, announce)
 
     # Evaluation
 

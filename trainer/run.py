@@ -7,6 +7,7 @@ already used; groups that finished before the stop and were not trained on come 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +19,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from harness_adapters.collect import proxy_for
 from harness_adapters.rollouts import Rollouts
 from harness_adapters.runner import EpisodeRunner
-from harness_adapters.tasks import load_tasks
+from harness_adapters.tasks import Task, load_tasks
 from proxy.upstream import Upstreams
-from proxy.vllm import hot_swap, resolve_model, set_version
+from proxy.vllm import resolve_model, set_version
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import LoopState, TrainError
@@ -100,24 +101,43 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         if evaluation
         else []
     )
-    adapter, rewards = config.adapter(), config.reward_sources()
     base = Path(resolve_model(config.proxy.model)[0])
     if not (base / "config.json").exists():
         raise TrainError(f"proxy.model: training needs the model as a local directory, and {base} is not one "
                          "(download it first: `hf download NAME --local-dir DIR`)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     learner = Learner(str(checkpoint or base), out / "trl", config.train.grpo, config.train.steps,
-                      config.train.micro_batch, reference=str(base))  # fmt: skip
+                      config.train.micro_batch, reference=str(base), lora=config.train.lora)  # fmt: skip
     if checkpoint is not None:
         learner.load_optimizer(checkpoint)
+    if learner.rank:  # another process of a multi-process run: it only steps, on its shards of rank 0's batches
+        learner.follow()
+        return {}
+    try:
+        return _lead(config, learner, checkpoint, state, base, tasks, eval_tasks, progress)
+    finally:
+        with contextlib.suppress(RuntimeError, OSError):  # a rank that died: rank 0 already has its error
+            learner.stop_followers()
+
+
+def _lead(
+    config: TrainConfig, learner: Learner, checkpoint: Path | None, state: LoopState | None, base: Path,
+    tasks: list[Task], eval_tasks: list[Task], progress: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Rank 0's part: the proxy and vLLM, the rollouts, the loop, the swaps and every file."""
+    out, evaluation = config.out_dir, config.eval
+    adapter, rewards = config.adapter(), config.reward_sources()
     with proxy_for(config) as (url, model, db, upstream):
         if db is None or upstream is None:
             raise TrainError("training needs the proxy's store and its vLLM upstream")
         replicas = Upstreams.urls(upstream)  # every one is swapped
         roots = [u.removesuffix("/v1") for u in replicas]
+        names = set()  # the name the trained model is served under (LoRA adapters are named after it)
         for replica in replicas:
             served = httpx.get(f"{replica}/models", timeout=30).json()["data"]
-            if not any(Path(m.get("root") or "") == base for m in served):
+            here = {m["id"] for m in served if Path(m.get("root") or "") == base and not m.get("parent")}
+            names |= here
+            if not here:
                 raise TrainError(f"vLLM at {replica} serves {[m.get('root') for m in served]}, not the model "
                                  f"being trained ({base}): its weights could not be swapped in")  # fmt: skip
 
@@ -133,11 +153,11 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                 eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None
                 rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency),
                                     config.train.failure_reward)  # fmt: skip
-                loop = TrainLoop(config, learner, rollouts, store, roots, base, state)
+                loop = TrainLoop(config, learner, rollouts, store, roots, base, min(names), state)
                 loop.writers = _writers(config)
                 async with runner.admin() as admin:
                     if checkpoint is not None:  # vLLM serves the checkpoint's weights under its version
-                        await hot_swap(roots, checkpoint, str(loop.state.version), base, lambda: refresh_version(admin))
+                        await loop.serve(checkpoint, str(loop.state.version), admin)
                     else:
                         for root in roots:
                             await set_version(root, "0")

@@ -195,7 +195,8 @@ def test_uneven_micro_batches_add_up_to_the_whole_batch(tiny_model: Path, tmp_pa
     samples = _batch()
 
     def loss_and_grads(loss: Any) -> tuple[Any, list[Any]]:
-        grads = torch.autograd.grad(loss, list(learner.model.parameters()), allow_unused=True)
+        trained = [p for p in learner.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        grads = torch.autograd.grad(loss, trained, allow_unused=True)
         return loss.detach(), [g for g in grads if g is not None]
 
     parts, part_grads = loss_and_grads(sum(learner.part_losses(samples)))
@@ -282,23 +283,31 @@ def _groups() -> list[Sample]:
     return samples
 
 
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+
+
 @pytest.mark.parametrize(
-    ("loss_type", "mode", "beta", "micro_batch"),
-    [("grpo", None, 0.0, 4), ("dapo", None, 0.0, 2), ("bnpo", "token_truncate", 0.0, 4),
-     ("dr_grpo", "sequence_mask", 0.1, 3)],
+    ("loss_type", "mode", "beta", "micro_batch", "lora"),
+    [("grpo", None, 0.0, 4, None), ("dapo", None, 0.0, 2, None), ("bnpo", "token_truncate", 0.0, 4, None),
+     ("dr_grpo", "sequence_mask", 0.1, 3, None), ("dapo", "token_truncate", 0.1, 3, LORA)],
 )  # fmt: skip
 def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batch(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss_type: str, mode: str | None, beta: float,
-    micro_batch: int,
+    micro_batch: int, lora: dict[str, Any] | None,
 ) -> None:  # fmt: skip
     """The step's fast path (each group's prompt run once, its rows from its keys and values, in
     passes of at most `micro_batch` rows) against TRL's own padded batch: the same loss,
-    gradients and off-policy gap."""
+    gradients and off-policy gap; with LoRA too (adapters in the prompt's pass, and disabled
+    for the KL reference)."""
     import trainer.grpo
 
     grpo = {**_config(loss_type, "token", mode), "beta": beta, "mask_truncated_completions": True}
-    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=micro_batch)
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
     learner.model.train()
+    if lora:  # adapters that change the model (PEFT starts them at zero), so the reference differs
+        for name, param in learner.model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.2)
     samples = _groups()
     passes = []
 
@@ -313,7 +322,8 @@ def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batc
         learner.shared_prefix = shared
         learner._sums = dict.fromkeys(learner._sums, 0.0)
         loss = sum(learner.part_losses(samples))
-        grads = torch.autograd.grad(loss, list(learner.model.parameters()), allow_unused=True)
+        trained = [p for p in learner.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        grads = torch.autograd.grad(loss, trained, allow_unused=True)
         return loss.detach(), [g for g in grads if g is not None], learner._sums["gap"]
 
     fast, fast_grads, fast_gap = run(True)
@@ -324,6 +334,22 @@ def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batc
     for a, b in zip(fast_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert fast_gap == pytest.approx(plain_gap, rel=1e-5)
+
+
+def test_a_lora_learner_saves_adapters_only_and_goes_on_from_them(tiny_model: Path, tmp_path: Path) -> None:
+    learner = Learner(str(tiny_model), tmp_path / "a", {}, total_steps=1, lora=LORA)
+    learner.model.train()
+    learner.step(_groups())
+    learner.save(tmp_path / "v1")
+    assert (tmp_path / "v1" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "v1" / "model.safetensors").exists()
+    resumed = Learner(str(tmp_path / "v1"), tmp_path / "b", {}, total_steps=1, reference=str(tiny_model), lora=LORA)
+    resumed.load_optimizer(tmp_path / "v1")
+    trained = {n: p for n, p in learner.model.named_parameters() if p.requires_grad}
+    again = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert trained.keys() == again.keys() and any("lora_B" in n and p.abs().sum() > 0 for n, p in again.items())
+    for name, param in trained.items():
+        torch.testing.assert_close(again[name], param, rtol=0, atol=0)
 
 
 def test_completions_run_in_passes_of_like_lengths() -> None:
