@@ -7,6 +7,9 @@ import them all."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -79,12 +82,22 @@ def model_prepare(
 def train(
     config: Annotated[Path, typer.Argument(help="the run's YAML config (see trainer/config.py)")],
     resume: Annotated[bool, typer.Option(help="continue from the run's newest checkpoint")] = False,
+    processes: Annotated[
+        int, typer.Option(min=1, help="learner processes on this machine (one per GPU; gloo on CPU), under torchrun")
+    ] = 1,
 ) -> None:
-    """Run episodes, train on them with GRPO and hot-swap the weights into vLLM, from one config."""
+    """Run episodes, train on them with GRPO and hot-swap the weights into vLLM, from one config.
+    With several processes (`--processes`, or under `accelerate launch` / `torchrun`), rank 0
+    runs the rollouts, the proxy, the swaps and writes every file; every rank steps on its shard."""
     from trainer.run import train as run_train  # torch, TRL
 
     try:
         loaded = load_config(config, TrainConfig)
+        if processes > 1 and "WORLD_SIZE" not in os.environ:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                       str(processes), "-m", "trainer.cli", "train", str(config)]  # fmt: skip
+            command += ["--resume"] if resume else []
+            raise typer.Exit(subprocess.call(command))
         result = run_train(loaded, resume)
     except (ConfigError, TaskError, TrainError, SwapError, BackendError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
@@ -92,6 +105,9 @@ def train(
     except KeyboardInterrupt as exc:
         console.print(f"stopped; continue with: rl-proxy train {config} --resume")
         raise typer.Exit(130) from exc
+
+    if not result:  # a process other than rank 0: rank 0 reports
+        return
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.0%}"

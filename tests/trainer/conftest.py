@@ -1,4 +1,4 @@
-"""Fixtures of the trainer tests that change the shared vLLM's weights."""
+"""Fixtures of the trainer tests: a tiny model, and the shared vLLM's weights put back."""
 
 from __future__ import annotations
 
@@ -27,3 +27,19 @@ def restore(vllm: Upstream, base: Path) -> Iterator[str]:
     yield root
     httpx.post(f"{root}/resume", timeout=60).raise_for_status()
     asyncio.run(hot_swap([root], base, "0", base))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer: the learner's tests run in seconds."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default")[0])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

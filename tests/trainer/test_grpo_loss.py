@@ -35,22 +35,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from proxy.vllm import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default")[0])
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _sequence(rng: random.Random, turns: list[tuple[int, int]], truncated: bool = False) -> TrainingSequence:
     """A multi-turn sequence: (context tokens, sampled tokens) per turn."""
     ids: list[int] = []

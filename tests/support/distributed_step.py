@@ -1,0 +1,37 @@
+"""One optimizer step of the Learner on the GRPO groups of tests/trainer/test_grpo_loss.py, in
+every process of a torchrun launch (tests/trainer/test_distributed.py). Rank 0 takes the step
+and saves the trained parameters and the step's metrics; the other ranks follow.
+
+    torchrun --nproc-per-node 2 -m tests.support.distributed_step MODEL OUT '{"loss_type": ...}' MICRO_BATCH [LORA]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    import torch
+
+    from tests.trainer.test_grpo_loss import _groups
+    from trainer.grpo import Learner
+
+    model, out, grpo, micro_batch = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+    lora = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+    learner = Learner(model, out / "trl", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
+    if learner.rank:
+        learner.follow()
+        return
+    try:
+        metrics = learner.step(_groups())
+    finally:
+        learner.stop_followers()
+    trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
+    torch.save(trained, out / f"trained-{learner.world}.pt")
+    (out / f"metrics-{learner.world}.json").write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()

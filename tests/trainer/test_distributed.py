@@ -1,0 +1,91 @@
+"""The learner on two processes (torchrun, gloo on CPU) against one: the same batch, the same
+step. SGD without clipping, so that the weights after the step are the gradient itself (Adam's
+first step and a clipped norm would hide a gradient off by a factor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.support.stack import Upstream
+
+torch = pytest.importorskip("torch")
+
+from tests.trainer.test_grpo_loss import LORA, _groups  # noqa: E402
+from trainer.grpo import Learner  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SGD = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 1.0e9, "weight_decay": 0.0,
+       "lr_scheduler_type": "constant"}  # fmt: skip
+
+
+def _two_processes(model: Path, out: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "tests.support.distributed_step", str(model), str(out), json.dumps(grpo), str(micro_batch)]  # fmt: skip
+    if lora:
+        command.append(json.dumps(lora))
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("grpo", "micro_batch", "lora"),
+    [({"loss_type": "dapo"}, 3, None),  # 8 rows in 4 passes, 2 per rank; normalised by the batch's tokens
+     ({"loss_type": "grpo", "beta": 0.1}, 8, None),  # one pass of 4 rows per rank; a mean over sequences
+     ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA)],
+)  # fmt: skip
+def test_one_step_on_two_processes_equals_one_process(
+    tiny_model: Path,
+    tmp_path: Path,
+    grpo: dict[str, Any],
+    micro_batch: int,
+    lora: dict[str, Any] | None,
+) -> None:
+    grpo = {**grpo, **SGD, "temperature": 0.9}
+    _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora)
+    learner = Learner(str(tiny_model), tmp_path / "one", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters() if p.requires_grad}
+    one = learner.step(_groups())
+    alone = {n: p.detach() for n, p in learner.model.named_parameters() if p.requires_grad}
+    shared = torch.load(tmp_path / "trained-2.pt")
+    assert shared.keys() == alone.keys()
+    moved = 0
+    for name, weights in alone.items():
+        torch.testing.assert_close(shared[name] - before[name], weights - before[name], rtol=1e-4, atol=1e-6)
+        moved += int(not torch.equal(weights, before[name]))
+    assert moved >= len(alone) // 2  # the step changed the weights (LoRA: B, not A, whose gradient is 0 at B = 0)
+    two = json.loads((tmp_path / "metrics-2.json").read_text())
+    for key in ("loss", "grad_norm", "logprob_gap"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.timeout(600)
+def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tmp_path: Path) -> None:
+    """`rl-proxy train --processes 2`: rank 0 collects a group through the proxy and the shared
+    vLLM, both ranks step, rank 0 swaps version 1 in and writes the run's files."""
+    example = ROOT / "harness_adapters" / "examples" / "arithmetic"
+    config = yaml.safe_load((example / "train.yaml").read_text())
+    config.update(tasks=str(example / "tasks.jsonl"), out=str(tmp_path / "run"), episodes_per_task=4, concurrency=8)
+    config["harness"]["agent"] = str(example / "agent.py") + ":agent"
+    config["rewards"][0]["function"] = str(example / "agent.py") + ":score"
+    config["proxy"] = {"upstream": vllm.url}
+    config["train"].update(steps=1, groups_per_step=1, micro_batch=2)
+    del config["eval"]
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "trainer.cli", "train", str(path), "--processes", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=540)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("1 steps (sync), policy version 1") == 1  # rank 0 alone reports
+    assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "1"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["samples"] >= 4
