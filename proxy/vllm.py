@@ -63,6 +63,8 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+# vLLM's side of the NCCL weight sync (trainer/nccl.py): its workers join the trainer's group.
+WEIGHT_TRANSFER_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
 
 
@@ -276,12 +278,14 @@ async def hot_swap(
     version: str,
     previous: Path,
     announce: Callable[[], Awaitable[None]] | None = None,
+    send: Callable[[str], Awaitable[None]] | None = None,
 ) -> float:
     """Swap `weights` in as `version` on every server (root URLs, without /v1); `previous` is
     loaded back if a reload fails (if that fails too, the server is left paused: it would serve
-    unknown weights). `announce` runs while paused, after the version is set. Returns the
-    longest time a server was paused, in seconds."""
-    if not (weights / "model.safetensors").exists() and not any(weights.glob("*.safetensors")):
+    unknown weights). `announce` runs while paused, after the version is set. `send(root)`
+    loads the weights another way than from disk (NCCL, trainer/nccl.py); if it fails, the
+    server is left paused. Returns the longest time a server was paused, in seconds."""
+    if send is None and not (weights / "model.safetensors").exists() and not any(weights.glob("*.safetensors")):
         raise SwapError(f"{weights}: no safetensors weights to load")
     longest = 0.0
     # A connection of its own per request: vLLM drops a connection after a failed RPC.
@@ -292,8 +296,12 @@ async def hot_swap(
             lost = False  # the previous weights could not be loaded back either: left paused
             try:
                 try:
-                    await _reload(client, root, weights)
+                    await (_reload(client, root, weights) if send is None else send(root))
                 except SwapError as failed:
+                    if send is not None:
+                        lost = True
+                        raise SwapError(f"vLLM at {root} did not take the new weights ({failed}): it is left "
+                                        "paused with weights in an unknown state; restart it") from failed  # fmt: skip
                     try:
                         await _reload(client, root, previous)
                     except SwapError as again:

@@ -15,6 +15,7 @@ harness_adapters/examples/arithmetic/train.yaml.
         learning_rate: 2.0e-5
       lora:                     # train LoRA adapters only (PEFT LoraConfig fields); each version
         r: 16                   # is loaded into vLLM as an adapter, without pausing it
+      weight_sync: disk         # or nccl: GPU to GPU into vLLM (trainer/nccl.py)
     eval:
       split: heldout
       episodes_per_task: 4
@@ -28,6 +29,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from harness_adapters.config import CollectConfig, Strict
+from proxy.vllm import WEIGHT_TRANSFER_ARGS
 from trainer.grpo import GRPO_KEYS, grpo_fields
 
 LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
@@ -53,6 +55,9 @@ class TrainSection(Strict):
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     grpo: dict[str, Any] = Field(default_factory=dict, description="TRL GRPOConfig fields")
     lora: dict[str, Any] | None = Field(None, description="PEFT LoraConfig fields: train adapters only")
+    weight_sync: Literal["disk", "nccl"] = Field(
+        "disk", description="disk: safetensors that vLLM reloads; nccl: broadcast GPU to GPU (trainer/nccl.py)"
+    )
 
     @model_validator(mode="after")
     def known(self) -> TrainSection:
@@ -77,6 +82,8 @@ class TrainSection(Strict):
             self.lora = {**LORA_DEFAULTS, **self.lora}
             if not isinstance(self.lora["r"], int) or not 1 <= self.lora["r"] <= 512:
                 raise ValueError("lora: r must be a whole number from 1 to 512 (the ranks vLLM serves)")
+        if self.weight_sync == "nccl" and self.lora is not None:
+            raise ValueError("weight_sync: nccl sends whole weights; LoRA adapters go to vLLM from disk (leave it out)")
         if self.grpo.get("fp16"):
             import torch
 
@@ -109,4 +116,6 @@ class TrainConfig(CollectConfig):
             if "max_lora_rank" in p.model_fields_set:
                 raise ValueError(f"proxy: max_lora_rank {p.max_lora_rank} is below the adapters' rank ({rank})")
             p.max_lora_rank = rank  # the vLLM launched for the run takes the adapters
+        if self.train.weight_sync == "nccl" and not p.upstream and WEIGHT_TRANSFER_ARGS[0] not in p.vllm_args:
+            p.vllm_args = [*p.vllm_args, *WEIGHT_TRANSFER_ARGS]  # the vLLM launched for the run opens its NCCL side
         return self

@@ -38,6 +38,7 @@ from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import GroupReader, LoopState
 from trainer.grpo import Learner, Sample
+from trainer.nccl import NcclSync
 
 T = TypeVar("T")
 
@@ -94,10 +95,11 @@ class TrainLoop:
         base_weights: Path,
         served_model: str,
         state: LoopState | None = None,
+        sync: NcclSync | None = None,
     ) -> None:
         self.config, self.cfg = config, config.train
         self.learner, self.rollouts = learner, rollouts
-        self.roots, self.served_model = vllm_roots, served_model
+        self.roots, self.served_model, self.sync = vllm_roots, served_model, sync
         self.out = config.out_dir
         self.state = state or LoopState()
         generation = base_weights / "generation_config.json"  # vLLM's defaults where a request sets none
@@ -160,13 +162,17 @@ class TrainLoop:
         resumable = (
             self.state.step - self.checkpointed >= self.cfg.checkpoint_every or self.state.step >= self.cfg.steps
         )
-        await self.in_learner(self.learner.save, directory, resumable)
+        saved = self.sync is None or resumable  # over NCCL, only checkpoints go to disk
+        if saved:
+            await self.in_learner(self.learner.save, directory, resumable)
         try:
             paused = await self.serve(directory, str(version), admin)
         except SwapError:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        self.state.version, self.weights = version, directory
+        self.state.version = version
+        if saved:
+            self.weights = directory
         self.state.version_steps[str(version)] = self.state.step
         if resumable:
             self.state.save(directory / "state.json")
@@ -189,7 +195,8 @@ class TrainLoop:
             retire = str(int(version) - 2) if int(version) >= 2 else None
             return await load_adapter(self.roots, directory, self.served_model, version, announce, retire)
         previous = self.weights if self.weights != directory else self.base  # loaded back if this fails
-        return await hot_swap(self.roots, directory, version, previous, announce)
+        send = self.sync.send if self.sync is not None else None
+        return await hot_swap(self.roots, directory, version, previous, announce, send)
 
     # Evaluation
 

@@ -27,6 +27,7 @@ from trainer.config import TrainConfig
 from trainer.groups import LoopState, TrainError
 from trainer.grpo import Learner
 from trainer.loop import TrainLoop, latest_checkpoint, plot, refresh_version
+from trainer.nccl import NcclSync
 
 
 def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
@@ -141,6 +142,10 @@ def _lead(
                 raise TrainError(f"vLLM at {replica} serves {[m.get('root') for m in served]}, not the model "
                                  f"being trained ({base}): its weights could not be swapped in")  # fmt: skip
 
+        sync = None
+        if config.train.weight_sync == "nccl":
+            sync = NcclSync(roots, learner.trl.accelerator.unwrap_model(learner.model))
+
         async def main() -> dict[str, Any]:
             async with Store(db) as store:
                 token = config.proxy.admin_token
@@ -153,7 +158,7 @@ def _lead(
                 eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None
                 rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency),
                                     config.train.failure_reward)  # fmt: skip
-                loop = TrainLoop(config, learner, rollouts, store, roots, base, min(names), state)
+                loop = TrainLoop(config, learner, rollouts, store, roots, base, min(names), state, sync)
                 loop.writers = _writers(config)
                 async with runner.admin() as admin:
                     if checkpoint is not None:  # vLLM serves the checkpoint's weights under its version
