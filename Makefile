@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install lock train demo test soak lint fmt bench bench-train-step bench-viewer serve
+.PHONY: install lock train demo test soak lint fmt bench bench-train-step bench-viewer bench-scale serve
 
 install: $(STAMP)
 
@@ -74,6 +74,7 @@ bench: install
 	$(PY) -m benchmarks.bench_train
 	$(PY) -m benchmarks.bench_train_step
 	$(PY) -m benchmarks.bench_viewer
+	$(PY) -m benchmarks.bench_scale
 
 # One optimizer step on the example's batch: TRL's plain padded batch against each group's prompt
 # run once; the last line is the speed-up.
@@ -84,3 +85,7 @@ bench-train-step: install
 # loaded in headless Chromium.
 bench-viewer: install
 	$(PY) -m benchmarks.bench_viewer
+
+# Full fine-tuning vs LoRA vs two processes (step time, memory), and adapter load vs full reload.
+bench-scale: install
+	$(PY) -m benchmarks.bench_scale

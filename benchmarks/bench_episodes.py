@@ -51,7 +51,7 @@ def measure(upstream: str, model: str, levels: list[int], per_level: int, work: 
 
 @contextmanager
 def bench_vllm(
-    upstream: str | None, work: Path, max_model_len: int, extra_args: list[str] | None = None
+    upstream: str | None, work: Path, max_model_len: int, extra_args: list[str] | None = None, lora_rank: int = 0
 ) -> Iterator[tuple[str, str]]:
     """(base URL, served model): the running vLLM given, or one launched here (eager mode)."""
     if upstream:
@@ -64,7 +64,7 @@ def bench_vllm(
     path, model = resolve_model("default")
     print("starting vLLM (eager) ...", flush=True)
     with VllmServer(path, model, log_file=work / "vllm.log", max_model_len=max_model_len,
-                    extra_args=["--enforce-eager", *(extra_args or [])]) as server:  # fmt: skip
+                    extra_args=["--enforce-eager", *(extra_args or [])], lora_rank=lora_rank) as server:  # fmt: skip
         server.wait_ready(900)
         yield server.base_url, model
 

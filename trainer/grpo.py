@@ -109,12 +109,11 @@ def length_buckets(lengths: Sequence[int], most: int, overhead: int = 16) -> lis
 
 
 def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
-    """Whether `shared_prefix_logps` computes what TRL's padded batch does for this model: one
-    process and no wrapper around it (a PEFT model is fine), no checkpointed layer (it drops the cache), a
+    """Whether `shared_prefix_logps` computes what TRL's padded batch does for this model: no
+    wrapper around it (DDP, FSDP; a PEFT model is fine), no checkpointed layer (it drops the cache), a
     plain key/value cache in every layer (a sliding window keeps only its last keys, a linear
     attention layer has none), and RoPE whose frequencies do not depend on a pass's longest
     position (dynamic, longrope)."""
-    from accelerate.utils import DistributedType
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -122,8 +121,7 @@ def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     config = unwrapped.config
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     return (
-        accelerator.distributed_type == DistributedType.NO
-        and unwrapped is model
+        unwrapped is model
         and not unwrapped.is_gradient_checkpointing
         and not (isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"))
         and all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
@@ -252,10 +250,10 @@ class Learner:
             self.trl.ref_model.load_state_dict(base.state_dict())
         self.trl.create_optimizer_and_scheduler(num_training_steps=total_steps)
         accelerator = self.trl.accelerator
+        # Several processes (accelerate launch, torchrun): every rank loads the same weights (and
+        # seeds its adapters alike) and the gradients are averaged once a step (`_average`).
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        # Several processes (accelerate launch, torchrun): DDP, which starts every rank from rank
-        # 0's weights and averages the gradients of each backward pass.
-        self.model = accelerator.prepare_model(self.trl.model) if self.world > 1 else self.trl.model
+        self.model = self.trl.model
         self.device = accelerator.device
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged"), 0.0)  # a step's, see `step`
@@ -393,7 +391,7 @@ class Learner:
 
     def part_losses(self, samples: list[Sample]) -> Iterator[Any]:
         """The loss of each micro-batch of this rank's shard of a step, weighted so that (averaged
-        over the ranks by DDP) they add up to the loss of the whole batch taken at once. TRL
+        over the ranks, `_average_gradients`) they add up to the loss of the whole batch at once. TRL
         divides each part's own mean by the number of parts, right only when the parts are even:
         in parts of [8, 8, 1] the lone sequence would weigh 8x. The token-normalised losses (dapo,
         cispo, vespo) already divide by the whole batch's count (over the ranks)."""
@@ -434,6 +432,20 @@ class Learner:
         if self.world > 1 and self.rank == 0:
             self._broadcast(None)
 
+    def _average_gradients(self) -> None:
+        """What DDP does, once a step instead of at every micro-batch's backward pass, in one
+        flat all-reduce, and without DDP's wrapper, which the shared-prompt path cannot run
+        through (measured 4.2x slower a step on 2 processes with it, docs/benchmarks.md)."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= self.world
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(averaged)
+
     def _broadcast(self, samples: list[Sample] | None) -> list[Sample] | None:
         import torch.distributed as dist
 
@@ -452,7 +464,8 @@ class Learner:
         for loss in self.part_losses(samples):
             trl.accelerator.backward(loss)
             total += float(loss.detach())
-        if self.world > 1:  # the loss and the off-policy sums over every rank's shard
+        if self.world > 1:  # the gradients, the loss and the off-policy sums over every rank's shard
+            self._average_gradients()
             summed = trl.accelerator.reduce(torch.tensor([total / self.world, *self._sums.values()]), "sum")
             total, *sums = summed.tolist()
             self._sums = dict(zip(self._sums, sums, strict=True))

@@ -89,3 +89,20 @@ def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tm
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "1"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] and rows[0]["samples"] >= 4
+
+
+def test_the_shipped_multi_gpu_configs_load() -> None:
+    """harness_adapters/examples/arithmetic/{train-8gpu,accelerate-4gpu}.yaml (not run here: no GPU)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    from harness_adapters.config import load_config
+    from trainer.config import TrainConfig
+
+    example = ROOT / "harness_adapters" / "examples" / "arithmetic"
+    cluster = load_config_from_file(str(example / "accelerate-4gpu.yaml"))
+    assert (cluster.distributed_type, cluster.num_processes) == (DistributedType.MULTI_GPU, 4)
+    assert cluster.gpu_ids == "4,5,6,7"
+    config = load_config(example / "train-8gpu.yaml", TrainConfig)
+    assert config.train.weight_sync == "nccl" and config.proxy.upstream and config.train.grpo["bf16"]
+    assert config.train.groups_per_step * config.episodes_per_task >= 4 * config.train.micro_batch  # every rank busy

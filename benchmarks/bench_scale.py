@@ -1,0 +1,174 @@
+"""Beyond one process (`make bench-scale`): on the arithmetic example's batch, the optimizer step
+with full fine-tuning, with LoRA (r=16), and full on two processes (torchrun, gloo), each in a
+process of its own so that its peak memory is its own; then, on a vLLM that takes adapters,
+the swap of a new version with 8 streams in flight: a full reload (vLLM paused) against an
+adapter load (nothing paused).
+
+The batch is made as `rl-proxy train` makes one (bench_train_step.example_batch); vLLM is
+stopped before the steps are timed. Each step variant runs `--steps` timed steps after one
+untimed; the figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pickle
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_episodes import EXAMPLE, bench_vllm
+from benchmarks.bench_train_step import example_batch
+from harness_adapters.config import load_config
+from trainer.config import LORA_DEFAULTS, TrainConfig
+
+PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
+    """One variant, in this process (and its torchrun peers): timed steps, peak memory, weights."""
+    import torch
+
+    from proxy.vllm import resolve_model
+    from trainer.grpo import Learner
+
+    config = load_config(EXAMPLE / "train.yaml", TrainConfig)
+    samples = pickle.loads(batch.read_bytes())
+    learner = Learner(resolve_model("default")[0], out / "trl", config.train.grpo, steps + 1, config.train.micro_batch,
+                      lora=LORA_DEFAULTS if lora else None)  # fmt: skip
+    if learner.rank:
+        learner.follow()
+        return
+    seconds = []
+    try:
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            learner.step(samples)
+            seconds.append(time.perf_counter() - start)
+            print(f"    step {len(seconds)}/{steps + 1}: {seconds[-1]:.1f} s", flush=True)
+    finally:
+        learner.stop_followers()
+    trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
+    torch.save(trained, out / "weights.pt")
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    trainable = sum(p.numel() for p in trained.values())
+    (out / "result.json").write_text(json.dumps({"step_s": statistics.median(seconds[1:]), "peak_gb": peak_gb,
+                                                  "trainable": trainable, "processes": learner.world}))  # fmt: skip
+
+
+def run_variant(work: Path, name: str, steps: int, lora: bool = False, processes: int = 1) -> dict[str, Any]:
+    out = work / name
+    out.mkdir()
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)] if processes > 1 else []
+    )
+    command = [sys.executable, *launcher, "-m", "benchmarks.bench_scale", "--step", str(work / "batch.pkl"), str(out),
+               str(steps), *(["--lora"] if lora else [])]  # fmt: skip
+    print(f"  {name} ...", flush=True)
+    subprocess.run(command, check=True, env={**os.environ, **({"OMP_NUM_THREADS": "1"} if processes > 1 else {})})
+    return {"name": name, **json.loads((out / "result.json").read_text())}
+
+
+async def swap_pauses(upstream: str, model: str, work: Path, rounds: int) -> dict[str, list[float]]:
+    """Each round: 8 streams start, then a new version comes in, as full weights or as an adapter."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    from proxy.vllm import hot_swap, load_adapter, resolve_model, set_version
+    from trainer.grpo import Learner
+
+    base = Path(resolve_model("default")[0])
+    adapter = work / "adapter"
+    Learner(str(base), work / "trl", {}, 1, lora=LORA_DEFAULTS).save(adapter, with_optimizer=False)
+    root = upstream.removesuffix("/v1")
+    client = AsyncOpenAI(base_url=upstream, api_key="bench", max_retries=0, timeout=300)
+    found: dict[str, list[float]] = {"full reload": [], "adapter load": [], "failed": []}
+    version = 0
+
+    async def stream(started: asyncio.Semaphore) -> str:
+        text = ""
+        try:
+            answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=64, stream=True,
+                                                          extra_body={"min_tokens": 64})  # fmt: skip
+            async for chunk in answer:
+                delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                if delta and not text:
+                    started.release()
+                text += delta
+        finally:
+            if not text:
+                started.release()
+        return text
+
+    await set_version(root, "0")
+    for n in range(rounds):
+        for kind in ("full reload", "adapter load"):
+            version += 1
+            started = asyncio.Semaphore(0)
+            streams = [asyncio.create_task(stream(started)) for _ in range(8)]
+            for _ in range(8):
+                await started.acquire()
+            if kind == "full reload":
+                seconds = await hot_swap([root], base, str(version), base)
+            else:
+                seconds = await load_adapter([root], adapter, model, str(version), retire=str(version - 2))
+            results = await asyncio.gather(*streams, return_exceptions=True)
+            found[kind].append(seconds)
+            found["failed"].append(sum(not isinstance(r, str) or not r for r in results))
+            print(f"  round {n + 1}/{rounds} {kind}: {seconds:.2f} s", flush=True)
+    httpx.post(f"{root}/v1/unload_lora_adapter", json={"lora_name": f"{model}-v{version}"})
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", help="a running vLLM (…/v1) started with LoRA, instead of launching one")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (median reported)")
+    parser.add_argument("--rounds", type=int, default=3, help="swaps of each kind (median reported)")
+    parser.add_argument("--step", nargs=3, metavar=("BATCH", "OUT", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step:
+        return step_variant(Path(args.step[0]), Path(args.step[1]), int(args.step[2]), args.lora)
+    work = Path(tempfile.mkdtemp(prefix="rlp-bench-scale-"))
+    config = load_config(EXAMPLE / "train.yaml", TrainConfig)
+    with bench_vllm(args.upstream, work, config.proxy.max_model_len, lora_rank=16) as (upstream, model):
+        samples = example_batch(upstream, model, config, work)
+        pauses = asyncio.run(swap_pauses(upstream, model, work, args.rounds))
+    (work / "batch.pkl").write_bytes(pickle.dumps(samples))
+    rows = [run_variant(work, "full", args.steps), run_variant(work, "lora", args.steps, lora=True),
+            run_variant(work, "full-2", args.steps, processes=2)]  # fmt: skip
+    import torch
+
+    one, two = torch.load(work / "full" / "weights.pt"), torch.load(work / "full-2" / "weights.pt")
+    drift = max(float((one[k] - two[k]).abs().max()) for k in one)
+
+    tokens = sum(len(s.sequence.input_ids) for s in samples)
+    print(f"\nThe optimizer step on the arithmetic example's batch ({len(samples)} sequences, {tokens} tokens, "
+          f"micro_batch {config.train.micro_batch}), 2 CPU cores, median of {args.steps}:\n")  # fmt: skip
+    print("| learner | processes | trainable parameters | median step s | peak memory GB (rank 0) |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        step_s, peak_gb = f"{row['step_s']:.2f}", f"{row['peak_gb']:.2f}"
+        print(f"| {row['name']} | {row['processes']} | {row['trainable']:,} | {step_s} | {peak_gb} |")
+    print(f"\nweights after {args.steps + 1} steps, 1 vs 2 processes: largest difference {drift:.2e}")
+    print(f"\nA new version while 8 streams are in flight, median of {args.rounds}:\n")
+    print("| swap | median s until it serves | vLLM paused | failed streams |")
+    print("|---|---:|---|---:|")
+    print(f"| full reload (safetensors) | {statistics.median(pauses['full reload']):.2f} | yes | "
+          f"{sum(pauses['failed'][0::2])} |")  # fmt: skip
+    print(
+        f"| LoRA adapter load | {statistics.median(pauses['adapter load']):.2f} | no | {sum(pauses['failed'][1::2])} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
