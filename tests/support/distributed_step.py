@@ -1,6 +1,7 @@
 """One optimizer step of the Learner on the GRPO groups of tests/trainer/test_grpo_loss.py, in
 every process of a torchrun launch (tests/trainer/test_distributed.py). Rank 0 takes the step
-and saves the trained parameters and the step's metrics; the other ranks follow.
+and saves the trained parameters and the step's metrics; the other ranks follow (the rank
+named by RLP_TEST_CRASH_RANK raises instead).
 
     torchrun --nproc-per-node 2 -m tests.support.distributed_step MODEL OUT '{"loss_type": ...}' MICRO_BATCH [LORA]
 """
@@ -8,6 +9,7 @@ and saves the trained parameters and the step's metrics; the other ranks follow.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +24,8 @@ def main() -> None:
     lora = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
     learner = Learner(model, out / "trl", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
     if learner.rank:
+        if os.environ.get("RLP_TEST_CRASH_RANK") == str(learner.rank):
+            raise RuntimeError(f"rank {learner.rank} crashes on purpose")
         learner.follow()
         return
     try:

@@ -27,14 +27,17 @@ SGD = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 1.0e9, "weight_dec
        "lr_scheduler_type": "constant"}  # fmt: skip
 
 
-def _two_processes(model: Path, out: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None) -> None:
+def _two_processes(
+    model: Path, out: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None, crash: str = ""
+) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "tests.support.distributed_step", str(model), str(out), json.dumps(grpo), str(micro_batch)]  # fmt: skip
     if lora:
         command.append(json.dumps(lora))
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "RLP_TEST_CRASH_RANK": crash})  # fmt: skip
+    assert done.returncode == 0 or crash, done.stderr[-3000:]
+    return done
 
 
 @pytest.mark.parametrize(
@@ -66,6 +69,15 @@ def test_one_step_on_two_processes_equals_one_process(
     two = json.loads((tmp_path / "metrics-2.json").read_text())
     for key in ("loss", "grad_norm", "logprob_gap"):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_rank_that_dies_stops_the_run_with_its_error(tiny_model: Path, tmp_path: Path) -> None:
+    """Rank 1 fails before the first step: rank 0 does not wait on it forever, the launch fails
+    and says why."""
+    done = _two_processes(tiny_model, tmp_path, {"loss_type": "dapo"}, 4, None, crash="1")
+    assert done.returncode != 0
+    assert "rank 1 crashes on purpose" in done.stderr
+    assert not (tmp_path / "trained-2.pt").exists()
 
 
 @pytest.mark.timeout(600)
