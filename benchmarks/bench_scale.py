@@ -19,7 +19,6 @@ import pickle
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from benchmarks.bench_episodes import EXAMPLE, bench_vllm
 from benchmarks.bench_train_step import example_batch
 from harness_adapters.config import load_config
 from trainer.config import LORA_DEFAULTS, TrainConfig
+from trainer.run import torchrun_command
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
@@ -44,18 +44,18 @@ def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
     samples = pickle.loads(batch.read_bytes())
     learner = Learner(resolve_model("default")[0], out / "trl", config.train.grpo, steps + 1, config.train.micro_batch,
                       lora=LORA_DEFAULTS if lora else None)  # fmt: skip
-    if learner.rank:
-        learner.follow()
-        return
-    seconds = []
-    try:
+    seconds: list[float] = []
+
+    def lead() -> None:
         for _ in range(steps + 1):
             start = time.perf_counter()
             learner.step(samples)
             seconds.append(time.perf_counter() - start)
             print(f"    step {len(seconds)}/{steps + 1}: {seconds[-1]:.1f} s", flush=True)
-    finally:
-        learner.stop_followers()
+
+    learner.lead(lead)
+    if learner.rank:
+        return
     trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
     torch.save(trained, out / "weights.pt")
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -67,11 +67,8 @@ def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
 def run_variant(work: Path, name: str, steps: int, lora: bool = False, processes: int = 1) -> dict[str, Any]:
     out = work / name
     out.mkdir()
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)] if processes > 1 else []
-    )
-    command = [sys.executable, *launcher, "-m", "benchmarks.bench_scale", "--step", str(work / "batch.pkl"), str(out),
-               str(steps), *(["--lora"] if lora else [])]  # fmt: skip
+    args = ["--step", str(work / "batch.pkl"), str(out), str(steps), *(["--lora"] if lora else [])]
+    command = torchrun_command(processes, "benchmarks.bench_scale", *args)
     print(f"  {name} ...", flush=True)
     subprocess.run(command, check=True, env={**os.environ, **({"OMP_NUM_THREADS": "1"} if processes > 1 else {})})
     return {"name": name, **json.loads((out / "result.json").read_text())}

@@ -143,6 +143,7 @@ class Call:
         self.chat_body: dict[str, Any] | None = None  # the upstream chat body, with token-in
         self.prompt_ids: list[int] | None = None  # the prompt token-in built
         self.thread_start: str | None = None
+        self.model: Any = None  # the served model the upstream was asked for (open_upstream)
         self.pin(self.state.upstreams.for_session(self.session.id))
 
     async def plan_prompt(self, body: dict[str, Any]) -> None:
@@ -170,6 +171,13 @@ class Call:
         self.upstream = upstream
         self.version = upstream.version
         self.upstream_stream = self.stream and not upstream.streams_whole()
+
+    def version_end(self) -> str | None:
+        """The version serving when the call ended. When that version is a LoRA adapter the
+        base weights did not change, and a call keeps the adapter it started with: so its own."""
+        now = self.upstream.version
+        lora = isinstance(self.model, str) and self.upstream.serving(self.model, now) != self.model
+        return self.version if lora else now
 
     def record(
         self, capture: Capture, response: dict[str, Any] | None, status: int, error: str | None = None
@@ -201,8 +209,7 @@ class Call:
             prompt_token_ids=capture.prompt_token_ids,
             completions=capture.completions(),
             policy_version=self.version,
-            # With LoRA adapters the base weights never change and a call keeps its adapter.
-            policy_version_end=self.version if self.upstream.adapters else self.upstream.version,
+            policy_version_end=self.version_end(),
             started_at=self.started,
             finished_at=utcnow(),
             rewrites=self.rewrites,
@@ -353,7 +360,7 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
     """Send the upstream request: (the response, its parsed JSON body if not streamed). Every
     way it can fail is recorded as a failed call and raised as a named ProxyError."""
     upstreams = call.state.upstreams
-    asked = body.get("model")
+    asked = call.model = body.get("model")
     while True:
         if call.stream and not call.upstream_stream:
             body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}

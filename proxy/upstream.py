@@ -131,17 +131,22 @@ class Upstream:
             await self.refresh_models()
         return self.models
 
-    async def refresh_models(self) -> None:
-        """Learn the served models and their context lengths (vLLM's `max_model_len`)."""
+    async def refresh_models(self) -> bool:
+        """Learn the served models and their context lengths (vLLM's `max_model_len`), and the
+        LoRA adapters; False (and what was known kept) if they could not be read."""
         try:
             resp = await self.send("GET", "/models")
-            data = orjson.loads(await self.read(resp)) if resp.ok else {}
+            body = await self.read(resp)
+            if not resp.ok and resp.status != 404:  # 404: no such route, so no models to know of
+                raise ProxyError(f"HTTP {resp.status}")
+            data = orjson.loads(body) if resp.ok else {}
         except (ProxyError, ValueError) as exc:
             log.warning("served models not read from %s: %s", self.base_url, exc)
-            return
+            return False
         cards = [m for m in data.get("data") or [] if isinstance(m, dict)]
         self.models = {m["id"]: m.get("max_model_len") for m in cards if not m.get("parent")}
         self.adapters = {m["id"] for m in cards if m.get("parent")}
+        return True
 
     def serving(self, model: str, version: str | None) -> str:
         """The name to ask for `model` at `version`: its LoRA adapter, if one is loaded."""
@@ -165,9 +170,12 @@ class Upstream:
             why = "weight version not read from %s (%d times in a row): %s"
             log.log(logging.WARNING if loud else logging.DEBUG, why, self.base_url, self._version_misses, exc)
             return True
-        if version is not None and version != self.version and read > self._version_read_applied:
-            await self.refresh_models()  # a new version may be a LoRA adapter: known before calls go to it
-        if version is not None and read > self._version_read_applied:
+        fresh = version is not None and read > self._version_read_applied
+        # A new version may be a LoRA adapter: known before calls are stamped with it (else they
+        # would go to the base model stamped as the adapter); if not, read again next time.
+        if fresh and version != self.version and not await self.refresh_models():
+            return True
+        if fresh and read > self._version_read_applied:
             self.version, self._version_read_applied = version, read
         if self._version_misses >= VERSION_PATIENCE:
             log.warning("weight version read from %s again", self.base_url)

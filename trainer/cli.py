@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -89,14 +88,15 @@ def train(
     """Run episodes, train on them with GRPO and hot-swap the weights into vLLM, from one config.
     With several processes (`--processes`, or under `accelerate launch` / `torchrun`), rank 0
     runs the rollouts, the proxy, the swaps and writes every file; every rank steps on its shard."""
+    from trainer.run import torchrun_command
     from trainer.run import train as run_train  # torch, TRL
 
     try:
         loaded = load_config(config, TrainConfig)
         if processes > 1 and "WORLD_SIZE" not in os.environ:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                       str(processes), "-m", "trainer.cli", "train", str(config)]  # fmt: skip
-            command += ["--resume"] if resume else []
+            command = torchrun_command(
+                processes, "trainer.cli", "train", str(config), *(["--resume"] if resume else [])
+            )
             raise typer.Exit(subprocess.call(command))
         result = run_train(loaded, resume)
     except (ConfigError, TaskError, TrainError, SwapError, BackendError) as exc:

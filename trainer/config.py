@@ -82,6 +82,10 @@ class TrainSection(Strict):
             self.lora = {**LORA_DEFAULTS, **self.lora}
             if not isinstance(self.lora["r"], int) or not 1 <= self.lora["r"] <= 512:
                 raise ValueError("lora: r must be a whole number from 1 to 512 (the ranks vLLM serves)")
+            try:
+                LoraConfig(**{"task_type": "CAUSAL_LM", **self.lora})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"lora: {exc}") from exc
         if self.weight_sync == "nccl" and self.lora is not None:
             raise ValueError("weight_sync: nccl sends whole weights; LoRA adapters go to vLLM from disk (leave it out)")
         if self.grpo.get("fp16"):

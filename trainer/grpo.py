@@ -26,12 +26,14 @@ import ctypes
 import itertools
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from recorder.trajectories import TrainingSequence
+
+T = TypeVar("T")
 
 # The GRPOConfig fields that mean something here; the rest are about TRL's own generation and
 # data, or the Trainer's loop, which this trainer does not run (a test checks each is a field).
@@ -42,6 +44,7 @@ GRPO_KEYS = {
     "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
     "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "gradient_checkpointing", "bf16", "fp16", "seed",
+    "ddp_timeout",
 }  # fmt: skip
 
 
@@ -56,10 +59,13 @@ def grpo_fields() -> set[str]:
 
 @dataclass(frozen=True)
 class Sample:
-    """A training sequence and the advantage of the episode it came from."""
+    """A training sequence and the advantage of the episode it came from. A `filler` row
+    weighs nothing (its loss mask is taken as all 0): it evens out the rows of a micro-batch
+    across processes."""
 
     sequence: TrainingSequence
     advantage: float
+    filler: bool = False
 
     @property
     def split(self) -> int:
@@ -215,7 +221,9 @@ class Learner:
         cpu = not torch.cuda.is_available()
         # Gradient checkpointing (TRL's default) trades a second forward pass for memory: off
         # unless asked for, and then enabled here (TRL's Trainer.train() would, but is not run).
-        settings = {"bf16": False, "gradient_checkpointing": False, **grpo}
+        # ddp_timeout: with several processes the other ranks wait for rank 0's batches through
+        # vLLM's start and every evaluation; torch's default 30 min would end the run.
+        settings = {"bf16": False, "gradient_checkpointing": False, "ddp_timeout": 7 * 86400, **grpo}
         args = GRPOConfig(
             output_dir=str(out_dir), report_to=[], save_strategy="no", logging_strategy="no", use_cpu=cpu,
             per_device_train_batch_size=2, num_generations=2, **settings,
@@ -234,7 +242,7 @@ class Learner:
         if lora:
             from peft import LoraConfig
 
-            peft_config = LoraConfig(task_type="CAUSAL_LM", **lora)
+            peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **lora})
         self.trl = GRPOTrainer(
             model=model, args=args, processing_class=self.tokenizer,
             reward_funcs=[lambda completions, **_: [0.0] * len(completions)],  # rewards come from the store
@@ -287,7 +295,8 @@ class Learner:
             "prompt_mask": torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts], device=self.device),
             "completion_ids": completions("input_ids", self.pad_id),
             "completion_mask": completion_mask,
-            "tool_mask": completions("loss_mask", 1),
+            "tool_mask": completions("loss_mask", 1)
+            * torch.tensor([[not s.filler] for s in samples], device=self.device),
             "sampling_per_token_logps": completions("logprobs", 0.0),
             "advantages": torch.tensor([s.advantage for s in samples], device=self.device),
         }
@@ -398,53 +407,57 @@ class Learner:
         # Rows of one prompt together and of like lengths together: a micro-batch is mostly one
         # group, run from its shared prompt, with little padding after it.
         ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
-        # As many parts on every rank (TRL gathers its metrics across the ranks in each), of even sizes.
+        # Parts of even sizes, as many on every rank; with several ranks each part is topped up to
+        # the same number of rows with fillers (TRL gathers a value per row across the ranks).
         count = -(-len(ordered) // self.micro_batch)
         count = -(-count // self.world) * self.world
         cuts = [i * len(ordered) // count for i in range(count + 1)]
-        parts = [ordered[a:b] for a, b in itertools.pairwise(cuts)][self.rank :: self.world]
+        everyone = [ordered[a:b] for a, b in itertools.pairwise(cuts)]
+        rows = max(map(len, everyone))
         num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
-        for part in parts:
-            batch = self.inputs(part or ordered[:1], num_items)  # fewer rows than ranks: a pass that weighs 0
-            if not part:
-                weight = 0.0
-            elif self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
+        for part in everyone[self.rank :: self.world]:
+            if self.world > 1:
+                part = part + [Sample((part or ordered)[0].sequence, 0.0, filler=True)] * (rows - len(part))
+            batch = self.inputs(part, num_items)
+            if self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
                 weight = 1.0
             elif self.args.loss_type == "bnpo":  # a mean over the part's tokens
                 weight = count * float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
-            else:  # a mean over the part's sequences
+            else:  # a mean over the part's rows (fillers add 0 to it)
                 weight = count * len(part) / len(samples)
-            yield self.loss(batch, len(parts)) * weight
+            yield self.loss(batch, count // self.world) * weight
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on these samples (in micro-batches); TRL's metrics for it. With
-        several processes rank 0 calls this, and the samples go to every rank (`follow`)."""
+        several processes rank 0 calls this, and the samples go to every rank (`lead`)."""
         if self.world > 1:
             self._broadcast(samples)
         return self._step(samples)
 
-    def follow(self) -> None:
-        """Every rank but 0: step on rank 0's batches (each rank on its shard) until it stops."""
-        while (samples := self._broadcast(None)) is not None:
-            self._step(samples)
-
-    def stop_followers(self) -> None:
-        if self.world > 1 and self.rank == 0:
+    def lead(self, work: Callable[[], T]) -> T | None:
+        """With several processes: rank 0 does `work` (which calls `step`) and then lets the
+        other ranks go; they step on its batches, each on its shard, until then. If `work`
+        fails, rank 0 exits with its error and the launcher (torchrun) stops the others: they
+        may be inside a step's collectives, where a last broadcast would not reach them."""
+        if self.rank:
+            while (samples := self._broadcast(None)) is not None:
+                self._step(samples)
+            return None
+        result = work()
+        if self.world > 1:
             self._broadcast(None)
+        return result
 
     def _average_gradients(self) -> None:
-        """What DDP does, once a step instead of at every micro-batch's backward pass, in one
-        flat all-reduce, and without DDP's wrapper, which the shared-prompt path cannot run
-        through (measured 4.2x slower a step on 2 processes with it, docs/benchmarks.md)."""
+        """What DDP does, once a step instead of at every micro-batch's backward pass, and
+        without DDP's wrapper, which the shared-prompt path cannot run through (measured 4.2x
+        slower a step on 2 processes with it, docs/benchmarks.md)."""
         import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat /= self.world
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(averaged)
+        for param in self.model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= self.world
 
     def _broadcast(self, samples: list[Sample] | None) -> list[Sample] | None:
         import torch.distributed as dist
@@ -466,7 +479,8 @@ class Learner:
             total += float(loss.detach())
         if self.world > 1:  # the gradients, the loss and the off-policy sums over every rank's shard
             self._average_gradients()
-            summed = trl.accelerator.reduce(torch.tensor([total / self.world, *self._sums.values()]), "sum")
+            sums = torch.tensor([total / self.world, *self._sums.values()], device=self.device)
+            summed = trl.accelerator.reduce(sums, "sum")
             total, *sums = summed.tolist()
             self._sums = dict(zip(self._sums, sums, strict=True))
         grad_norm = trl.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)

@@ -49,9 +49,11 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(found, key=lambda d: int(d.name[1:]), default=None)
 
 
-async def refresh_version(admin: httpx.AsyncClient) -> None:
-    """Have the proxy read the new policy version from vLLM (while vLLM is paused): calls stamped
-    with the old one would be trained as older than they are, so a failure stops the run."""
+async def refresh_version(admin: httpx.AsyncClient, version: str) -> None:
+    """Have the proxy read the new policy `version` from vLLM (while vLLM is paused): calls
+    stamped with the old one would be trained as older than they are, so a failure stops the
+    run, and so does a proxy that still reads another version (say, it could not read vLLM's
+    models to learn a new LoRA adapter)."""
     try:
         answer = await admin.post("/admin/policy_version/refresh")
     except httpx.HTTPError as exc:
@@ -59,6 +61,9 @@ async def refresh_version(admin: httpx.AsyncClient) -> None:
     if not answer.is_success:
         raise SwapError(f"the proxy did not take the new policy version: HTTP {answer.status_code}: "
                         f"{answer.text[:300]}")  # fmt: skip
+    read = answer.json().get("versions") or {}
+    if any(v != version for v in read.values()):
+        raise SwapError(f"the proxy did not take policy version {version}: it reads {read}")
 
 
 def peak_gb() -> float:
@@ -190,7 +195,7 @@ class TrainLoop:
     async def serve(self, directory: Path, version: str, admin: Any) -> float:
         """Have every vLLM serve the weights (or LoRA adapter) in `directory` as `version`; the
         seconds until it does (with full weights, vLLM is paused meanwhile)."""
-        announce = lambda: refresh_version(admin)  # noqa: E731
+        announce = lambda: refresh_version(admin, version)  # noqa: E731
         if self.learner.lora:
             retire = str(int(version) - 2) if int(version) >= 2 else None
             return await load_adapter(self.roots, directory, self.served_model, version, announce, retire)

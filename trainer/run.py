@@ -7,7 +7,7 @@ already used; groups that finished before the stop and were not trained on come 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +82,12 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
     return bar, update
 
 
+def torchrun_command(processes: int, module: str, *args: str) -> list[str]:
+    """`python -m module args` on `processes` processes of this machine (one: no launcher)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    return [sys.executable, *(launcher if processes > 1 else []), "-m", module, *args]
+
+
 def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run the whole loop; a summary (held-out success before and after, counts, seconds)."""
     from transformers.utils import logging as hf_logging
@@ -95,6 +101,10 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     if not resume and checkpoint is not None:
         raise TrainError(f"{out} already holds checkpoints: continue with --resume, or set another 'out'")
     state = LoopState.load(checkpoint / "state.json") if checkpoint else None
+    if checkpoint is not None and (config.train.lora is None) == (checkpoint / "adapter_config.json").exists():
+        raise TrainError(f"{checkpoint} holds {'a LoRA adapter' if config.train.lora is None else 'whole weights'}, "
+                         f"and the config {'has no' if config.train.lora is None else 'has a'} lora section: "
+                         "resume with the config the run started with")  # fmt: skip
     tasks = load_tasks(config.path(config.tasks), None if config.split == "all" else config.split)
     evaluation = config.eval
     eval_tasks = (
@@ -111,14 +121,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                       config.train.micro_batch, reference=str(base), lora=config.train.lora)  # fmt: skip
     if checkpoint is not None:
         learner.load_optimizer(checkpoint)
-    if learner.rank:  # another process of a multi-process run: it only steps, on its shards of rank 0's batches
-        learner.follow()
-        return {}
-    try:
-        return _lead(config, learner, checkpoint, state, base, tasks, eval_tasks, progress)
-    finally:
-        with contextlib.suppress(RuntimeError, OSError):  # a rank that died: rank 0 already has its error
-            learner.stop_followers()
+    # With several processes the others only step, on their shards of rank 0's batches.
+    return learner.lead(lambda: _lead(config, learner, checkpoint, state, base, tasks, eval_tasks, progress)) or {}
 
 
 def _lead(
@@ -166,7 +170,7 @@ def _lead(
                     else:
                         for root in roots:
                             await set_version(root, "0")
-                        await refresh_version(admin)
+                        await refresh_version(admin, "0")
                 if not progress:
                     return await loop.run(eval_runner, eval_tasks)
                 bar, update = _display(config.train.steps)

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 from tests.trainer.test_grpo_loss import LORA, _groups  # noqa: E402
 from trainer.grpo import Learner  # noqa: E402
+from trainer.run import torchrun_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SGD = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 1.0e9, "weight_decay": 0.0,
@@ -28,36 +29,33 @@ SGD = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 1.0e9, "weight_dec
 
 
 def _two_processes(
-    model: Path, out: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None, crash: str = ""
-) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-               "tests.support.distributed_step", str(model), str(out), json.dumps(grpo), str(micro_batch)]  # fmt: skip
-    if lora:
-        command.append(json.dumps(lora))
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    model: Path, out: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None, rows: int = 8,
+    crash: str = "",
+) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    args = [str(model), str(out), json.dumps(grpo), str(micro_batch), json.dumps(lora), str(rows)]
+    done = subprocess.run(torchrun_command(2, "tests.support.distributed_step", *args), cwd=ROOT, text=True,
+                          capture_output=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "RLP_TEST_CRASH_RANK": crash})  # fmt: skip
     assert done.returncode == 0 or crash, done.stderr[-3000:]
     return done
 
 
 @pytest.mark.parametrize(
-    ("grpo", "micro_batch", "lora"),
-    [({"loss_type": "dapo"}, 3, None),  # 8 rows in 4 passes, 2 per rank; normalised by the batch's tokens
-     ({"loss_type": "grpo", "beta": 0.1}, 8, None),  # one pass of 4 rows per rank; a mean over sequences
-     ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA)],
+    ("grpo", "micro_batch", "lora", "rows"),
+    [({"loss_type": "dapo"}, 3, None, 8),  # 8 rows in 4 passes, 2 per rank; normalised by the batch's tokens
+     ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8),  # one pass of 4 rows per rank; a mean over sequences
+     ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8),
+     ({"loss_type": "dr_grpo"}, 3, None, 7),  # passes of 1, 2, 2, 2 rows: rank 0's single row gets a filler
+     ({"loss_type": "dapo"}, 8, None, 1)],  # one row for two ranks: rank 0 runs a pass of fillers
 )  # fmt: skip
 def test_one_step_on_two_processes_equals_one_process(
-    tiny_model: Path,
-    tmp_path: Path,
-    grpo: dict[str, Any],
-    micro_batch: int,
-    lora: dict[str, Any] | None,
-) -> None:
+    tiny_model: Path, tmp_path: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None, rows: int
+) -> None:  # fmt: skip
     grpo = {**grpo, **SGD, "temperature": 0.9}
-    _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora)
+    _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora, rows)
     learner = Learner(str(tiny_model), tmp_path / "one", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters() if p.requires_grad}
-    one = learner.step(_groups())
+    one = learner.step(_groups()[:rows])
     alone = {n: p.detach() for n, p in learner.model.named_parameters() if p.requires_grad}
     shared = torch.load(tmp_path / "trained-2.pt")
     assert shared.keys() == alone.keys()

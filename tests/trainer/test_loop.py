@@ -162,10 +162,11 @@ def test_metrics_to_tensorboard_and_plot(tmp_path: Path) -> None:
     assert plot(metrics, tmp_path / "p.png") == tmp_path / "p.png" and (tmp_path / "p.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("answer", [503, "unreachable"])
+@pytest.mark.parametrize("answer", [503, "unreachable", "old version"])
 def test_a_version_refresh_the_proxy_does_not_take_stops_the_swap(answer: Any) -> None:
     """Fault injection (an httpx mock transport stands in for the proxy's admin API): a refresh
-    answered with an error, or not answered, raises SwapError naming it, where it was ignored."""
+    answered with an error, not answered, or answered with another version than the new one,
+    raises SwapError naming it, where it was ignored."""
     import httpx
 
     from proxy.vllm import SwapError
@@ -174,14 +175,46 @@ def test_a_version_refresh_the_proxy_does_not_take_stops_the_swap(answer: Any) -
     def admin_api(request: httpx.Request) -> httpx.Response:
         if answer == "unreachable":
             raise httpx.ConnectError("connection refused", request=request)
+        if answer == "old version":
+            return httpx.Response(200, json={"policy_version": "2", "versions": {"http://vllm/v1": "2"}})
         return httpx.Response(answer, json={"error": {"message": "vLLM did not answer /weight_info"}})
 
     async def refresh() -> None:
         async with httpx.AsyncClient(base_url="http://proxy", transport=httpx.MockTransport(admin_api)) as admin:
-            await refresh_version(admin)
+            await refresh_version(admin, "3")
 
-    with pytest.raises(SwapError, match="503" if answer == 503 else "ConnectError"):
+    with pytest.raises(SwapError, match={503: "503", "unreachable": "ConnectError"}.get(answer, "it reads")):
         asyncio.run(refresh())
+
+
+def test_a_lora_section_is_checked_and_sizes_the_launched_vllm(tmp_path: Path) -> None:
+    assert _config(tmp_path, lora={"r": 32}).proxy.max_lora_rank == 32  # the launcher starts vLLM for it
+    assert _config(tmp_path, lora={}).train.lora == {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+    for lora, why in (({"rank": 8}, "not PEFT LoraConfig fields"), ({"r": 0}, "from 1 to 512"),
+                      ({"layers_to_transform": [0]}, "cannot be used when")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            _config(tmp_path, lora=lora)
+    with pytest.raises(ValueError, match="below the adapters' rank"):
+        TrainConfig(run="r", tasks="t.jsonl", out=str(tmp_path), harness=PythonHarness(type="python", agent="x:y"),
+                    proxy={"max_lora_rank": 8}, train=TrainSection(lora={"r": 16}))  # fmt: skip
+
+
+def test_resuming_with_or_without_lora_against_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    from trainer.groups import TrainError
+    from trainer.run import train
+
+    checkpoint = tmp_path / "versions" / "v1"
+    checkpoint.mkdir(parents=True)
+    LoopState().save(checkpoint / "state.json")  # whole weights
+    (tmp_path / "t.jsonl").write_text('{"id": "a", "prompt": "p"}\n')
+    config = _config(tmp_path, lora={"r": 8})
+    config.tasks = str(tmp_path / "t.jsonl")
+    with pytest.raises(TrainError, match="whole weights, and the config has a lora section"):
+        train(config, resume=True, progress=False)
+    (checkpoint / "adapter_config.json").write_text("{}")
+    config.train = TrainSection()
+    with pytest.raises(TrainError, match="a LoRA adapter, and the config has no lora section"):
+        train(config, resume=True, progress=False)
 
 
 def test_fp16_on_cpu_is_refused_by_name(tmp_path: Path) -> None:
