@@ -27,10 +27,9 @@ from typing import Any
 from benchmarks.bench_episodes import EXAMPLE, bench_vllm
 from benchmarks.bench_train_step import example_batch
 from harness_adapters.config import load_config
+from tests.support.streams import streams_in_flight
 from trainer.config import LORA_DEFAULTS, TrainConfig
 from trainer.run import torchrun_command
-
-PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
 def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
@@ -90,29 +89,11 @@ async def swap_pauses(upstream: str, model: str, work: Path, rounds: int) -> dic
     found: dict[str, list[float]] = {"full reload": [], "adapter load": [], "failed": []}
     version = 0
 
-    async def stream(started: asyncio.Semaphore) -> str:
-        text = ""
-        try:
-            answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=64, stream=True,
-                                                          extra_body={"min_tokens": 64})  # fmt: skip
-            async for chunk in answer:
-                delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
-                if delta and not text:
-                    started.release()
-                text += delta
-        finally:
-            if not text:
-                started.release()
-        return text
-
     await set_version(root, "0")
     for n in range(rounds):
         for kind in ("full reload", "adapter load"):
             version += 1
-            started = asyncio.Semaphore(0)
-            streams = [asyncio.create_task(stream(started)) for _ in range(8)]
-            for _ in range(8):
-                await started.acquire()
+            streams = await streams_in_flight(client, model, 8, 64)
             if kind == "full reload":
                 seconds = await hot_swap([root], base, str(version), base)
             else:

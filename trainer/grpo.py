@@ -259,7 +259,7 @@ class Learner:
         self.trl.create_optimizer_and_scheduler(num_training_steps=total_steps)
         accelerator = self.trl.accelerator
         # Several processes (accelerate launch, torchrun): every rank loads the same weights (and
-        # seeds its adapters alike) and the gradients are averaged once a step (`_average`).
+        # seeds its adapters alike) and the gradients are averaged once a step (`_average_gradients`).
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.model = self.trl.model
         self.device = accelerator.device

@@ -19,12 +19,12 @@ from proxy.upstream import adapter_name
 from proxy.vllm import SwapError, VllmServer, load_adapter, set_version
 from recorder import CallRecord, Store
 from tests.support.stack import RunningProxy, Upstream, read_store
+from tests.support.streams import PROMPT, streams_in_flight
 from trainer.config import TrainConfig
 from trainer.grpo import Learner
 from trainer.run import train
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
-PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
 
@@ -72,28 +72,7 @@ def test_adapters_swap_in_under_8_streams_without_a_pause(
         await announce()
         client = AsyncOpenAI(base_url=proxy.v1, api_key="lora-swap", max_retries=0, timeout=120)
         logprobs = [await _first_logprob(client, lora_vllm.model)]
-        started = asyncio.Semaphore(0)
-
-        async def stream() -> str:
-            text = ""
-            try:
-                response = await client.chat.completions.create(model=lora_vllm.model, messages=PROMPT, max_tokens=64,
-                                                                temperature=1.0, stream=True,
-                                                                extra_body={"min_tokens": 64})  # fmt: skip
-                async for chunk in response:
-                    delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
-                    if delta and not text:
-                        started.release()
-                    text += delta
-            finally:
-                if not text:
-                    started.release()
-            return text
-
-        streams = [asyncio.create_task(stream()) for _ in range(8)]
-        for _ in range(8):  # every stream samples from the base model when version 1 comes in
-            await started.acquire()
-        assert not any(s.done() for s in streams), "a stream ended before the swap"
+        streams = await streams_in_flight(client, lora_vllm.model, 8, 64)  # on the base model
         announced = await load_adapter([root], adapters[0], lora_vllm.model, "1", announce)
         logprobs.append(await _first_logprob(client, lora_vllm.model))  # while the 8 still stream
         results = await asyncio.gather(*streams, return_exceptions=True)

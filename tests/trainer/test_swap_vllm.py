@@ -15,8 +15,7 @@ from openai import AsyncOpenAI
 from proxy.upstream import Upstreams
 from proxy.vllm import SwapError, VllmServer, hot_swap, set_version
 from tests.support.stack import RunningProxy, Upstream
-
-PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+from tests.support.streams import PROMPT, streams_in_flight
 
 
 @pytest.fixture(scope="module")
@@ -50,31 +49,7 @@ def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str
         await _announce(proxy)
         client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0, timeout=120)
         before = await _first_logprob(client, vllm.model)
-        first_chunks = asyncio.Semaphore(0)
-
-        async def stream() -> str:
-            # min_tokens: no stream may stop (sample EOS) before the swap has paused it.
-            text = ""
-            try:
-                response = await client.chat.completions.create(model=vllm.model, messages=PROMPT, max_tokens=96,
-                                                                temperature=1.0, stream=True,
-                                                                extra_body={"min_tokens": 96})  # fmt: skip
-                async for chunk in response:
-                    delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
-                    if delta and not text:  # once per stream, at its first sampled text
-                        first_chunks.release()
-                    text += delta
-            finally:
-                if not text:  # failed before sampling: the swap must not wait for it forever
-                    first_chunks.release()
-            return text
-
-        streams = [asyncio.create_task(stream()) for _ in range(16)]
-        for _ in range(16):  # every stream has started sampling with the old weights (or failed)
-            await first_chunks.acquire()
-        if any(s.done() for s in streams):
-            await asyncio.gather(*streams)  # a stream that ended before the swap: raise its error
-            raise AssertionError("a stream ended before the swap")
+        streams = await streams_in_flight(client, vllm.model, 16, 96)  # sampling with the old weights
         paused = await hot_swap([restore], changed, "1", base, lambda: _announce(proxy))
         results = await asyncio.gather(*streams, return_exceptions=True)
         after = await _first_logprob(client, vllm.model)
