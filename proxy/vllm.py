@@ -17,7 +17,8 @@
   before resuming and SwapError names the server and the cause: the old version keeps
   serving, never a half-loaded one. On GPU clusters vLLM's NCCL weight-transfer endpoints
   (`init_weight_transfer_engine`, `update_weights` with `--weight-transfer-config`) skip the
-  disk round-trip and are the faster path there. They need CUDA and are not used here.
+  disk round-trip: `hot_swap`'s `send` hook, which trainer/nccl.py fills (`weight_sync: nccl`).
+  They need CUDA and were not run here.
 - LoRA (`load_adapter`): each version is a runtime-loaded adapter under its own name; nothing
   pauses, since a call keeps the adapter it started with.
 
