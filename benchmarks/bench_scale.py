@@ -73,11 +73,12 @@ def run_variant(work: Path, name: str, steps: int, lora: bool = False, processes
     return {"name": name, **json.loads((out / "result.json").read_text())}
 
 
-async def swap_pauses(upstream: str, model: str, work: Path, rounds: int) -> dict[str, list[float]]:
+async def swap_pauses(upstream: str, model: str, work: Path, rounds: int) -> dict[str, tuple[list[float], int]]:
     """Each round: 8 streams start, then a new version comes in, as full weights or as an adapter."""
     import httpx
     from openai import AsyncOpenAI
 
+    from proxy.upstream import adapter_name
     from proxy.vllm import hot_swap, load_adapter, resolve_model, set_version
     from trainer.grpo import Learner
 
@@ -86,7 +87,8 @@ async def swap_pauses(upstream: str, model: str, work: Path, rounds: int) -> dic
     Learner(str(base), work / "trl", {}, 1, lora=LORA_DEFAULTS).save(adapter, with_optimizer=False)
     root = upstream.removesuffix("/v1")
     client = AsyncOpenAI(base_url=upstream, api_key="bench", max_retries=0, timeout=300)
-    found: dict[str, list[float]] = {"full reload": [], "adapter load": [], "failed": []}
+    seconds: dict[str, list[float]] = {"full reload": [], "adapter load": []}
+    failed = dict.fromkeys(seconds, 0)
     version = 0
 
     await set_version(root, "0")
@@ -95,15 +97,15 @@ async def swap_pauses(upstream: str, model: str, work: Path, rounds: int) -> dic
             version += 1
             streams = await streams_in_flight(client, model, 8, 64)
             if kind == "full reload":
-                seconds = await hot_swap([root], base, str(version), base)
+                took = await hot_swap([root], base, str(version), base)
             else:
-                seconds = await load_adapter([root], adapter, model, str(version), retire=str(version - 2))
+                took = await load_adapter([root], adapter, model, str(version), retire=str(version - 2))
             results = await asyncio.gather(*streams, return_exceptions=True)
-            found[kind].append(seconds)
-            found["failed"].append(sum(not isinstance(r, str) or not r for r in results))
-            print(f"  round {n + 1}/{rounds} {kind}: {seconds:.2f} s", flush=True)
-    httpx.post(f"{root}/v1/unload_lora_adapter", json={"lora_name": f"{model}-v{version}"})
-    return found
+            seconds[kind].append(took)
+            failed[kind] += sum(not isinstance(r, str) or not r for r in results)
+            print(f"  round {n + 1}/{rounds} {kind}: {took:.2f} s", flush=True)
+    httpx.post(f"{root}/v1/unload_lora_adapter", json={"lora_name": adapter_name(model, str(version))})
+    return {kind: (seconds[kind], failed[kind]) for kind in seconds}
 
 
 def main() -> None:
@@ -141,11 +143,10 @@ def main() -> None:
     print(f"\nA new version while 8 streams are in flight, median of {args.rounds}:\n")
     print("| swap | median s until it serves | vLLM paused | failed streams |")
     print("|---|---:|---|---:|")
-    print(f"| full reload (safetensors) | {statistics.median(pauses['full reload']):.2f} | yes | "
-          f"{sum(pauses['failed'][0::2])} |")  # fmt: skip
-    print(
-        f"| LoRA adapter load | {statistics.median(pauses['adapter load']):.2f} | no | {sum(pauses['failed'][1::2])} |"
-    )
+    for kind, label, paused in (("full reload", "full reload (safetensors)", "yes"),
+                                ("adapter load", "LoRA adapter load", "no")):  # fmt: skip
+        took, failed = pauses[kind]
+        print(f"| {label} | {statistics.median(took):.2f} | {paused} | {failed} |")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ class Call:
         self.chat_body: dict[str, Any] | None = None  # the upstream chat body, with token-in
         self.prompt_ids: list[int] | None = None  # the prompt token-in built
         self.thread_start: str | None = None
-        self.model: Any = None  # the served model the upstream was asked for (open_upstream)
+        self.model: str | None = None  # the served model the upstream was asked for (open_upstream)
         self.pin(self.state.upstreams.for_session(self.session.id))
 
     async def plan_prompt(self, body: dict[str, Any]) -> None:
@@ -176,7 +176,7 @@ class Call:
         """The version serving when the call ended. When that version is a LoRA adapter the
         base weights did not change, and a call keeps the adapter it started with: so its own."""
         now = self.upstream.version
-        lora = isinstance(self.model, str) and self.upstream.serving(self.model, now) != self.model
+        lora = self.model is not None and self.upstream.serving(self.model, now) != self.model
         return self.version if lora else now
 
     def record(
@@ -360,11 +360,12 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
     """Send the upstream request: (the response, its parsed JSON body if not streamed). Every
     way it can fail is recorded as a failed call and raised as a named ProxyError."""
     upstreams = call.state.upstreams
-    asked = call.model = body.get("model")
+    asked = body.get("model")
+    call.model = asked if isinstance(asked, str) else None
     while True:
         if call.stream and not call.upstream_stream:
             body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
-        if isinstance(asked, str) and (adapter := call.upstream.serving(asked, call.version)) != asked:
+        if call.model is not None and (adapter := call.upstream.serving(call.model, call.version)) != asked:
             body = body | {"model": adapter}  # LoRA: the adapter of the version the call is stamped with
             call.rewrites["model"] = [call.rewrites.get("model", [asked])[0], adapter]
         try:

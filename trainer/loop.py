@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -195,7 +196,7 @@ class TrainLoop:
     async def serve(self, directory: Path, version: str, admin: Any) -> float:
         """Have every vLLM serve the weights (or LoRA adapter) in `directory` as `version`; the
         seconds until it does (with full weights, vLLM is paused meanwhile)."""
-        announce = lambda: refresh_version(admin, version)  # noqa: E731
+        announce = functools.partial(refresh_version, admin, version)
         if self.learner.lora:
             retire = str(int(version) - 2) if int(version) >= 2 else None
             return await load_adapter(self.roots, directory, self.served_model, version, announce, retire)

@@ -1,5 +1,5 @@
 """Streams in flight for the weight-swap tests and benchmarks: streamed chat calls that have each
-sampled their first text when a new version comes in."""
+sampled their first text when a new version comes in; and a probe of which weights serve."""
 
 from __future__ import annotations
 
@@ -38,3 +38,10 @@ async def streams_in_flight(client: AsyncOpenAI, model: str, n: int, tokens: int
         await asyncio.gather(*streams)  # a stream that ended before the swap: raise its error
         raise AssertionError("a stream ended before the swap")
     return streams
+
+
+async def first_logprob(client: AsyncOpenAI, model: str) -> float:
+    """The greedy first token's logprob for PROMPT: it moves when other weights serve."""
+    answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=1, temperature=0,
+                                                  logprobs=True)  # fmt: skip
+    return answer.choices[0].logprobs.content[0].logprob  # type: ignore[union-attr,index]

@@ -19,7 +19,7 @@ from proxy.upstream import adapter_name
 from proxy.vllm import SwapError, VllmServer, load_adapter, set_version
 from recorder import CallRecord, Store
 from tests.support.stack import RunningProxy, Upstream, read_store
-from tests.support.streams import PROMPT, streams_in_flight
+from tests.support.streams import first_logprob, streams_in_flight
 from trainer.config import TrainConfig
 from trainer.grpo import Learner
 from trainer.run import train
@@ -50,12 +50,6 @@ def _adapter(base: Path, out: Path, seed: int) -> Path:
     return out / "adapter"
 
 
-async def _first_logprob(client: AsyncOpenAI, model: str) -> float:
-    answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=1, temperature=0,
-                                                  logprobs=True)  # fmt: skip
-    return answer.choices[0].logprobs.content[0].logprob  # type: ignore[union-attr,index]
-
-
 def test_adapters_swap_in_under_8_streams_without_a_pause(
     make_proxy: Any, lora_vllm: Upstream, base: Path, tmp_path: Path
 ) -> None:
@@ -71,14 +65,14 @@ def test_adapters_swap_in_under_8_streams_without_a_pause(
         await set_version(root, "0")
         await announce()
         client = AsyncOpenAI(base_url=proxy.v1, api_key="lora-swap", max_retries=0, timeout=120)
-        logprobs = [await _first_logprob(client, lora_vllm.model)]
+        logprobs = [await first_logprob(client, lora_vllm.model)]
         streams = await streams_in_flight(client, lora_vllm.model, 8, 64)  # on the base model
         announced = await load_adapter([root], adapters[0], lora_vllm.model, "1", announce)
-        logprobs.append(await _first_logprob(client, lora_vllm.model))  # while the 8 still stream
+        logprobs.append(await first_logprob(client, lora_vllm.model))  # while the 8 still stream
         results = await asyncio.gather(*streams, return_exceptions=True)
         for version, adapter in ((2, adapters[1]), (3, adapters[2])):
             await load_adapter([root], adapter, lora_vllm.model, str(version), announce, retire=str(version - 2))
-            logprobs.append(await _first_logprob(client, lora_vllm.model))
+            logprobs.append(await first_logprob(client, lora_vllm.model))
         return results, logprobs, announced
 
     results, logprobs, announced = asyncio.run(main())

@@ -15,7 +15,7 @@ from openai import AsyncOpenAI
 from proxy.upstream import Upstreams
 from proxy.vllm import SwapError, VllmServer, hot_swap, set_version
 from tests.support.stack import RunningProxy, Upstream
-from tests.support.streams import PROMPT, streams_in_flight
+from tests.support.streams import first_logprob, streams_in_flight
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +37,16 @@ async def _announce(proxy: RunningProxy) -> None:
         (await admin.post(f"{proxy.url}/admin/policy_version/refresh")).raise_for_status()
 
 
-async def _first_logprob(client: AsyncOpenAI, model: str) -> float:
-    answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=1, temperature=0,
-                                                  logprobs=True)  # fmt: skip
-    return answer.choices[0].logprobs.content[0].logprob  # type: ignore[union-attr,index]
-
-
 def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str, changed: Path, base: Path) -> None:
     async def main() -> tuple[list[str | BaseException], float, float, float]:
         await set_version(restore, "0")
         await _announce(proxy)
         client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0, timeout=120)
-        before = await _first_logprob(client, vllm.model)
+        before = await first_logprob(client, vllm.model)
         streams = await streams_in_flight(client, vllm.model, 16, 96)  # sampling with the old weights
         paused = await hot_swap([restore], changed, "1", base, lambda: _announce(proxy))
         results = await asyncio.gather(*streams, return_exceptions=True)
-        after = await _first_logprob(client, vllm.model)
+        after = await first_logprob(client, vllm.model)
         return results, before, after, paused
 
     results, before, after, paused = asyncio.run(main())
@@ -80,10 +74,10 @@ def test_refused_reload_keeps_old_weights(proxy: RunningProxy, vllm: Upstream, r
     async def main() -> tuple[float, float, str]:
         await set_version(restore, "0")
         client = AsyncOpenAI(base_url=proxy.v1, api_key="refused", max_retries=0, timeout=120)
-        before = await _first_logprob(client, vllm.model)
+        before = await first_logprob(client, vllm.model)
         with pytest.raises(SwapError, match="refused the weights"):
             await hot_swap([restore], broken, "1", base)
-        after = await _first_logprob(client, vllm.model)
+        after = await first_logprob(client, vllm.model)
         version = httpx.get(f"{restore}/weight_info").json()["weight_version"]
         return before, after, version
 
@@ -124,7 +118,7 @@ def test_two_replicas_pinned_swapped_and_one_lost(
 
         def ask(key: str) -> float:
             client = AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0, timeout=120)
-            return asyncio.run(_first_logprob(client, vllm.model))
+            return asyncio.run(first_logprob(client, vllm.model))
 
         before = {key: ask(key) for key in home}
         roots = [u.removesuffix("/v1") for u in urls]
