@@ -11,7 +11,7 @@ import ipaddress
 import math
 import secrets
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import orjson
@@ -46,6 +46,9 @@ class Sampling(BaseModel, extra="forbid"):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
+    # Set only on calls that offer tools: "required" makes a model that never calls one (a small
+    # model in Claude Code or Codex) call one on every turn, its arguments sampled under a grammar.
+    tool_choice: Literal["auto", "required", "none"] | None = None
 
 
 class SessionCreate(BaseModel):

@@ -333,7 +333,7 @@ async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: Sessi
     settings = state.settings
     rewrites: dict[str, Any] = {}
     for name, value in ((session.metadata.get("sampling") if session else None) or {}).items():
-        if body.get(name) != value:
+        if body.get(name) != value and (name != "tool_choice" or body.get("tools")):
             rewrites[name] = [body.get(name), value]
             body[name] = value
     served = await state.upstreams.first.served_models()

@@ -299,3 +299,20 @@ def test_a_session_created_with_sampling_settings_is_sampled_so_whatever_the_har
         assert call.rewrites["seed"] == [None, 3]
     refused = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"min_tokens": 5}})
     assert refused.status_code == 400 and "min_tokens" in refused.text
+
+
+def test_a_session_can_force_tool_calls_on_the_calls_that_offer_tools(proxy: RunningProxy, vllm: Upstream) -> None:
+    """`sampling.tool_choice: required` (a small model through Claude Code or Codex): a call that
+    offers tools calls one; a call without tools is sent as asked (vLLM refuses `required` there)."""
+    created = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"tool_choice": "required"}}).json()
+    client = OpenAI(base_url=proxy.v1, api_key=created["key"], max_retries=0)
+    ask = [{"role": "user", "content": "Hello."}]
+    called = client.chat.completions.create(model=vllm.model, messages=ask, tools=[ADD_TOOL], max_tokens=60,  # type: ignore[arg-type,list-item]
+                                            temperature=0)  # fmt: skip
+    plain = client.chat.completions.create(model=vllm.model, messages=ask, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert called.choices[0].message.tool_calls and called.choices[0].message.tool_calls[0].function.name == "add"
+    assert plain.choices[0].message.content
+    with_tools, without = proxy.calls(created["id"])
+    assert with_tools.rewrites["tool_choice"] == [None, "required"] and "tool_choice" not in without.rewrites
+    refused = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"tool_choice": "always"}})
+    assert refused.status_code == 400 and "tool_choice" in refused.text

@@ -3,13 +3,23 @@ conversation again, as a harness does."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import anthropic
 from openai import OpenAI
 
+from harness_adapters.config import CollectConfig, load_config
+from harness_adapters.episode import CommandAdapter, command_env
+from harness_adapters.runner import EpisodeRunner
+from harness_adapters.tasks import load_tasks
 from tests.support.samples import ADD_TOOL, FORCE_ADD
+from trainer.config import TrainConfig
 
 ASK = [{"role": "user", "content": "Add 2 and 3 with the add tool, then add 4 to the result."}]
 ADD = {"name": "add", "description": "Add two integers.", "input_schema": ADD_TOOL["function"]["parameters"]}
@@ -64,12 +74,12 @@ def responses_session(url: str, key: str, model: str) -> None:
                             max_output_tokens=16, temperature=0)  # fmt: skip
 
 
-def text_session(url: str, key: str, model: str, turns: int = 4) -> None:
-    """Plain multi-turn chat at temperature 1."""
+def text_session(url: str, key: str, model: str, turns: int = 4, temperature: float = 1.0) -> None:
+    """Plain multi-turn chat, at temperature 1 unless told."""
     client = OpenAI(base_url=url, api_key=key, max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Tell me about the sea."}]
     for _ in range(turns):
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=1.0)  # type: ignore[arg-type]
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=temperature)  # type: ignore[arg-type]
         messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                      {"role": "user", "content": "Go on."}]  # fmt: skip
 
@@ -93,3 +103,31 @@ def think_session(url: str, key: str, model: str) -> None:
         assert "</think>" in answer and reply.choices[0].finish_reason == "stop", answer
         shown = answer if turn % 2 else answer.split("</think>")[-1].strip()
         messages += [{"role": "assistant", "content": shown}, {"role": "user", "content": "And another?"}]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SHELL = ROOT / "harness_adapters" / "examples" / "shell"
+FORCED = {"tool_choice": "required"}  # SmolLM2-135M seldom calls a tool of its own accord
+
+
+def harness_session(
+    config: str, *extra: str, sampling: dict[str, Any] | None = None, timeout: float = 300
+) -> Callable[[str, str, str], str]:
+    """A session of a real CLI harness, as the shell example's `config` runs it (in its sandbox),
+    on a rename task, with `extra` arguments; returns a family's runner, which answers the session
+    id. A harness that never stops by itself (Codex under forced tool calls) is stopped at
+    `timeout`; the call cut then fails as "client disconnected"."""
+    task = next(t for t in load_tasks(SHELL / "tasks.jsonl") if t.id == "rename-3")
+    adapter = load_config(SHELL / config, TrainConfig if config.startswith("train") else CollectConfig).adapter()
+    assert isinstance(adapter, CommandAdapter)
+    path = f"{ROOT / '.harnesses' / 'node_modules' / '.bin'}{os.pathsep}{command_env()['PATH']}"
+    adapter = replace(adapter, argv=[*adapter.argv, *extra], env={**adapter.env, "PATH": path})
+
+    def run(url: str, key: str, model: str) -> str:
+        workdir = Path(tempfile.mkdtemp(prefix="rlp-harness-"))
+        runner = EpisodeRunner(url, adapter, [], model, workdir, key, timeout=timeout, sampling=sampling)
+        [result] = asyncio.run(runner.run_all([task], 1))
+        assert result.calls, f"{config}: no call reached the proxy: {result.outcome}"
+        return result.session_id
+
+    return run

@@ -1,0 +1,46 @@
+"""Token-in through the real Claude Code and Codex CLIs (the shell example's sandboxed configs,
+unchanged) on the real vLLM: their tool-calling turns join one training sequence whose masked-in
+tokens are exactly the sampled ids. SmolLM2-135M seldom calls a tool of its own accord, so the
+session's sampling forces `tool_choice: required` (recorded as a rewrite)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from recorder.trajectories import build_sequences
+from tests.support.sessions import FORCED, harness_session
+from tests.support.stack import Upstream
+
+# ~4,700 and ~5,800-token prompts on 2 CPU cores; the first test may also wait for the shared vLLM.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.mark.parametrize(
+    ("config", "extra", "timeout"),
+    [
+        ("train-claude.yaml", ("--max-turns", "3"), 400),
+        ("train-codex.yaml", (), 75),  # under forced tool calls it never stops by itself
+    ],
+)
+def test_a_harness_tool_calling_episode_joins_one_exact_sequence(
+    make_proxy: Any, vllm: Upstream, config: str, extra: tuple[str, ...], timeout: float
+) -> None:
+    proxy = make_proxy(vllm.url, max_completion_tokens=128)
+    session = harness_session(config, *extra, sampling=FORCED, timeout=timeout)(proxy.url, "ti-harness", vllm.model)
+    calls = [c for c in proxy.calls(session) if c.ok]  # Codex's last, cut at the timeout, is not
+    assert len(calls) >= 2, f"{config}: {len(calls)} answered call(s)"
+    assert all(c.rewrites["tool_choice"][1] == "required" for c in calls)
+    assert any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1])
+    # Every continuation was built from the tokens already sampled: none went as messages. A
+    # harness that sends a turn again (Claude Code after an answer cut at its output cap) forks.
+    assert calls[0].thread_start == "first call of the session seen by this proxy"
+    for call in calls[1:]:
+        assert call.token_in and (call.thread_start or "a fork").startswith("a fork"), call.thread_start
+    report = build_sequences(calls)
+    assert len(report.sequences) <= 1 + sum(c.thread_start is not None for c in calls[1:])
+    by_seq = {c.seq: c for c in calls}
+    for sequence in report.sequences:
+        sampled = [t for span in sequence.spans for t in by_seq[span.seq].completions[0].token_ids]
+        assert [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m] == sampled
