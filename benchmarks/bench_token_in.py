@@ -86,8 +86,9 @@ def measure(
     for mode in ("token-in", "messages"):
         db = str(work / f"{mode}.db")
         ids: dict[str, list[str]] = {}
-        # Codex and mini ask for no limit: capped as the shell example caps them.
-        settings = Settings(upstream=upstream, db=db, messages_mode=mode == "messages", max_completion_tokens=128)
+        # Codex and mini ask for no limit. Codex quits on an answer cut at the cap: 384 tokens
+        # leaves most forced tool calls room to end (its episodes of one call count no continuation).
+        settings = Settings(upstream=upstream, db=db, messages_mode=mode == "messages", max_completion_tokens=384)
         with AppThread(create_app(settings)) as proxy:
             for f, (family, run) in enumerate(families.items()):
                 for n in range(sessions):
