@@ -108,9 +108,20 @@ class Plan:
     fork: str | None = None  # a continuing call's, when another call continued the same answer first
 
 
-TEMPLATE_FIELDS = ("tools", "chat_template", "chat_template_kwargs")  # what renders a chat besides its messages
-# What vLLM's chat route also hands its template; a request with any of them goes as messages.
-UNRENDERED_FIELDS = ("reasoning_effort", "continue_final_message", "documents")
+# What renders a chat besides its messages (a change starts a new thread).
+TEMPLATE_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents", "reasoning_effort")
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The template's keyword arguments as vLLM's chat route makes them from a request
+    (ChatCompletionRequest.build_chat_params in vLLM 0.32), for /tokenize, which takes only
+    `chat_template_kwargs`: the request's own, then `documents` and `reasoning_effort` unless
+    None or "auto", and `enable_thinking` from `reasoning_effort` unless the request set it."""
+    given = body.get("chat_template_kwargs") or {}
+    extra = {k: body.get(k) for k in ("documents", "reasoning_effort")}
+    if body.get("reasoning_effort") is not None and "enable_thinking" not in given:
+        extra["enable_thinking"] = body["reasoning_effort"] != "none"
+    return {**given, **{k: v for k, v in extra.items() if v not in (None, "auto")}}
 
 
 def tools_key(body: dict[str, Any]) -> bytes:
@@ -171,9 +182,6 @@ class Threads:
         if isinstance(found, str):
             return Plan(None, found)
         thread, answer = found
-        unrendered = [k for k in UNRENDERED_FIELDS if body.get(k) not in (None, False)]
-        if unrendered:  # they change the rendering, and /tokenize is not given them yet
-            return Plan(None, f"the request sets {', '.join(unrendered)}, which token-in does not render yet")
         if upstream.base_url in self.unrendering:
             return Plan(None, NO_RENDERING)
         template = tools_key({**body, "tools": None}) + str(body.get("model")).encode()
@@ -215,13 +223,17 @@ NO_END_OF_TURN = "the chat template closes no assistant turn with a token of its
 
 
 async def render(upstream: Upstream, body: dict[str, Any], generation: bool = True) -> list[int] | str:
-    """The prompt ids of a chat body as the upstream's template renders them, or why not."""
-    fields = {k: body[k] for k in ("model", "messages", *TEMPLATE_FIELDS) if body.get(k) is not None}
+    """The prompt ids of a chat body as the upstream's template renders them (with the
+    generation prompt, or the last message left open with `continue_final_message`, when
+    `generation`), or why not."""
+    fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template") if body.get(k) is not None}
+    final = generation and bool(body.get("continue_final_message"))
+    prompt = generation and not final and body.get("add_generation_prompt") is not False
+    fields |= {"chat_template_kwargs": template_kwargs(body), "continue_final_message": final,
+               "add_generation_prompt": prompt}  # fmt: skip
     try:
         async with asyncio.timeout(RENDER_TIMEOUT):
-            resp = await upstream.send(
-                "POST", "/tokenize", {**fields, "add_generation_prompt": generation}, at_root=True
-            )
+            resp = await upstream.send("POST", "/tokenize", fields, at_root=True)
             data = orjson.loads(await upstream.read(resp))
     except Exception as exc:  # any failure only means no token-in for this call
         return f"the upstream could not render the request: {exc!r}"[:200]

@@ -37,18 +37,18 @@ def test_messages_mode_sends_the_messages_as_they_are(make_proxy: Any, stub: str
     assert not any(c.token_in or c.thread_start for c in proxy.calls())
 
 
-def test_a_request_with_template_inputs_token_in_cannot_render_goes_as_messages(make_proxy: Any, stub: str) -> None:
+def test_template_inputs_are_part_of_a_thread_and_a_change_starts_a_new_one(make_proxy: Any, stub: str) -> None:
+    """`reasoning_effort` (and `documents`) reach the template: a call that keeps them continues
+    its thread, one that changes them starts a new one (its history would render otherwise)."""
     proxy = make_proxy(stub)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    for extra in ({}, {"reasoning_effort": "low"}):
-        httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": messages, **extra},
-                   headers={"x-api-key": "s-effort"}).raise_for_status()  # fmt: skip
+    for effort in ("low", "low", "high"):
+        body = {"model": MODEL, "messages": messages, "reasoning_effort": effort}
+        httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "s-effort"}).raise_for_status()
         messages += [{"role": "assistant", "content": "stub answer"}, {"role": "user", "content": "more"}]
-    _, second = proxy.calls("s-effort")
-    assert (
-        not second.token_in
-        and second.thread_start == "the request sets reasoning_effort, which token-in does not render yet"
-    )
+    _, same, changed = proxy.calls("s-effort")
+    assert same.token_in and same.thread_start is None
+    assert not changed.token_in and changed.thread_start == "the tools or the chat template changed"
 
 
 def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_second_is_a_fork(

@@ -4,6 +4,7 @@ training sequence whose masked-in tokens are exactly the sampled ids, where the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,22 +83,33 @@ def test_a_template_that_strips_earlier_thinking_still_gives_one_sequence(make_p
     assert len(build_sequences(messages_mode.calls("ti-think")).sequences) == 4
 
 
-def test_on_text_the_bridge_is_what_the_template_renders(make_proxy: Any, vllm: Upstream) -> None:
+# A template that shows what vLLM's chat route hands it besides the messages.
+INPUTS = {"chat_template": (Path(__file__).parents[1] / "support" / "inputs_template.jinja").read_text(),
+          "reasoning_effort": "low", "documents": [{"title": "a", "text": "b"}, {"title": "c", "text": "d"}],
+          }  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [{}, INPUTS], ids=["smollm2", "template-inputs"])
+def test_on_text_the_bridge_is_what_the_template_renders(
+    make_proxy: Any, vllm: Upstream, extra: dict[str, Any]
+) -> None:
     """SmolLM2's template is append-only on plain text: there a token-in prompt must be exactly
     vLLM's own rendering of the whole conversation (when the answer re-tokenizes as sampled),
-    which checks the bridge's content and not only that it extends the thread."""
+    which checks the bridge's content and not only that it extends the thread. So must it be with
+    the inputs vLLM's chat route gives a template (`reasoning_effort`, `documents`)."""
     proxy = make_proxy(vllm.url)
     client = OpenAI(base_url=proxy.v1, api_key="ti-text", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3? Answer with one number."}]
     for ask in ("And 4 + 4?", "And 1 + 1?"):
-        reply = client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=30, temperature=0)
+        reply = client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=30, temperature=0,  # type: ignore[arg-type]
+                                               extra_body=extra)  # fmt: skip
         messages += [
             {"role": "assistant", "content": reply.choices[0].message.content},
             {"role": "user", "content": ask},
         ]
-    client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=30, temperature=0)
+    client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=30, temperature=0, extra_body=extra)  # type: ignore[arg-type]
     calls = proxy.calls("ti-text")
-    assert [c.token_in for c in calls] == [False, True, True]
+    assert [c.token_in for c in calls] == [False, True, True], [c.thread_start for c in calls]
     for n, call in ((3, calls[1]), (5, calls[2])):
-        rendered = direct_chat(vllm, messages=messages[:n], max_tokens=1, temperature=0)["prompt_token_ids"]
+        rendered = direct_chat(vllm, messages=messages[:n], max_tokens=1, temperature=0, **extra)["prompt_token_ids"]
         assert call.prompt_token_ids == rendered
