@@ -32,6 +32,10 @@ NEUTRAL_SAMPLING: dict[str, Any] = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0,
 }  # fmt: skip
 
+# Request fields that make vLLM sample under a grammar unless they are absent, "auto", "none" or
+# "text" (in any API's shape: Anthropic's tool_choice is {"type": "auto"}).
+GRAMMAR = ("tool_choice", "response_format", "structured_outputs")
+
 log = logging.getLogger("rl_proxy.trainer")
 
 
@@ -193,6 +197,11 @@ class GroupReader:
                         f"{self.temperature} (grpo.temperature)")  # fmt: skip
             changed = [f"{k} {v}" for k, v in used.items()
                        if k != "temperature" and v != NEUTRAL_SAMPLING[k] and (k, v) != ("top_k", 0)]  # fmt: skip
+            # A grammar masks the vocabulary as truncation does (a forced tool call, a JSON schema).
+            for k in GRAMMAR:
+                v = call.rewrites[k][1] if k in call.rewrites else call.request.get(k)
+                if (v.get("type", v) if isinstance(v, dict) else v) not in (None, "auto", "none", "text"):
+                    changed.append(f"{k} {v!r}")
             if changed and not self.cfg.allow_truncated_sampling:
                 return (f"call {call.seq} sampled with {', '.join(changed)}: the trainer scores the whole "
                         "distribution (train.allow_truncated_sampling accepts such calls)")  # fmt: skip

@@ -273,10 +273,12 @@ def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The trainer scores at grpo.temperature (0.9 here), untruncated: an episode sampled at
-    another temperature, or with top_p, is left out, counted and named; top_k 0 is vLLM's "off";
+    another temperature, with top_p or under a grammar (a forced tool call), is left out,
+    counted and named; top_k 0 is vLLM's "off";
     a model whose generation_config sets a temperature is read as vLLM reads it."""
     settings = [{"temperature": 0.9}, {"temperature": 0.9, "top_k": 0}, {"temperature": 0.7},
-                {"temperature": 0.9, "top_p": 0.95}, {}]  # fmt: skip
+                {"temperature": 0.9, "top_p": 0.95}, {}, {"temperature": 0.9, "tool_choice": "required"},
+                {"temperature": 0.9, "tool_choice": {"type": "auto"}}]  # fmt: skip
 
     async def main() -> tuple[Any, ...]:
         async with Store(str(tmp_path / "s.db")) as store:
@@ -292,11 +294,12 @@ def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
             return refused, strict.state, await defaults.prepare("g"), await allowing.prepare("g")
 
     refused, state, with_defaults, allowing = asyncio.run(main())
-    assert refused is not None and refused[1] == [0.0, 1.0] and state.refused_sampling == 3
+    assert refused is not None and refused[1] == [0.0, 1.0, 0.0] and state.refused_sampling == 4
     named = [r.getMessage() for r in caplog.records]
     assert any("temperature 0.7" in m for m in named) and any("top_p 0.95" in m for m in named)
-    assert with_defaults is not None and with_defaults[1] == [0.0, 1.0, 0.0]  # the last one: 0.9 by default
-    assert allowing is not None and allowing[1] == [0.0, 1.0, 1.0, 0.0]
+    assert any("sampled with tool_choice 'required'" in m for m in named)
+    assert with_defaults is not None and with_defaults[1] == [0.0, 1.0, 0.0, 0.0]  # the fifth: 0.9 by default
+    assert allowing is not None and allowing[1] == [0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
 
 
 def test_only_the_choice_an_episode_continued_is_trained() -> None:
