@@ -442,10 +442,18 @@ class Learner:
         if self.rank:
             while (samples := self._broadcast(None)) is not None:
                 self._step(samples)
-            return None
-        result = work()
+            result = None
+        else:
+            result = work()
         if self.world > 1:
-            self._broadcast(None)
+            import torch.distributed as dist
+
+            if not self.rank:
+                self._broadcast(None)
+            # Torn down here, not by the interpreter's exit: there gloo's threads met their
+            # destructors and a rank that had finished aborted ("terminate called without an
+            # active exception", exit -6) about one launch in 20.
+            dist.destroy_process_group()
         return result
 
     def _average_gradients(self) -> None:
