@@ -37,7 +37,8 @@ from tests.support.sessions import (
     tool_session,
 )
 
-# Each runs one session with the key given and answers its id (None: the key is the id).
+# Each runs one session, named by the key given (its API key; a harness's run), and answers its
+# id (None: the key is the id).
 FAMILIES: dict[str, Callable[[str, str, str], str | None]] = {
     "openai SDK, forced tool calls (3 calls)": lambda url, key, model: tool_session(f"{url}/v1", key, model),
     "openai SDK, tool calls streamed (3 calls)": lambda url, key, model: tool_session(f"{url}/v1", key, model, True),
@@ -104,7 +105,7 @@ def measure(
                         "joined": statistics.fmean([j for s in scores for j in s["joined"]] or [math.nan]),
                         "exact": all(s["exact"] for s in scores),
                         "tokens": sum(s["tokens"] for s in scores), "unmerged": sum(s["unmerged"] for s in scores),
-                        "latency": statistics.median(x for s in scores for x in s["latency"]),
+                        "latency": statistics.median([x for s in scores for x in s["latency"]] or [math.nan]),
                     }  # fmt: skip
 
         asyncio.run(read())

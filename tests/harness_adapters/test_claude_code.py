@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from recorder.trajectories import build_sequences
+from tests.support.sessions import HARNESS_BIN
 from tests.support.stack import Upstream
 
 # Prompts of 4,500 to 7,600 tokens on 2 CPU cores, and the first test also waits for the shared
 # vLLM to start: Claude Code took 330 s of it on a quiet machine (2026-11-23), so these get 600 s.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-CLAUDE = Path(__file__).resolve().parents[2] / ".harnesses" / "node_modules" / ".bin" / "claude"
+CLAUDE = HARNESS_BIN / "claude"
 
 
 def test_claude_code_runs_through_the_proxy_and_every_call_is_recorded(

@@ -13,13 +13,14 @@ import pytest
 from harness_adapters.episode import CommandAdapter
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
+from tests.support.sessions import HARNESS_BIN
 from tests.support.stack import Upstream
 
 # Prompts of 4,500 to 7,600 tokens on 2 CPU cores, and the first test also waits for the shared
 # vLLM to start: Claude Code took 330 s of it on a quiet machine (2026-11-23), so these get 600 s.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-CODEX = Path(__file__).resolve().parents[2] / ".harnesses" / "node_modules" / ".bin" / "codex"
+CODEX = HARNESS_BIN / "codex"
 CONFIG = """model = "gpt-5-codex"
 model_provider = "rlp"
 web_search = "disabled"

@@ -107,6 +107,7 @@ def think_session(url: str, key: str, model: str) -> None:
 
 ROOT = Path(__file__).resolve().parents[2]
 SHELL = ROOT / "harness_adapters" / "examples" / "shell"
+HARNESS_BIN = ROOT / ".harnesses" / "node_modules" / ".bin"  # Claude Code and Codex (make install)
 FORCED = {"tool_choice": "required"}  # SmolLM2-135M seldom calls a tool of its own accord
 
 
@@ -120,7 +121,7 @@ def harness_session(
     task = next(t for t in load_tasks(SHELL / "tasks.jsonl") if t.id == "rename-3")
     adapter = load_config(SHELL / config, TrainConfig if config.startswith("train") else CollectConfig).adapter()
     assert isinstance(adapter, CommandAdapter)
-    path = f"{ROOT / '.harnesses' / 'node_modules' / '.bin'}{os.pathsep}{command_env()['PATH']}"
+    path = f"{HARNESS_BIN}{os.pathsep}{command_env()['PATH']}"
     adapter = replace(adapter, argv=[*adapter.argv, *extra], env={**adapter.env, "PATH": path})
 
     def run(url: str, key: str, model: str) -> str:

@@ -14,12 +14,10 @@ import pytest
 
 from harness_adapters.config import load_config
 from harness_adapters.rewards import PythonReward
+from tests.support.sessions import HARNESS_BIN, SHELL
 from tests.support.stack import Upstream, read_store
 from trainer.config import TrainConfig
 from trainer.run import train
-
-ROOT = Path(__file__).resolve().parents[2]
-SHELL = ROOT / "harness_adapters" / "examples" / "shell"
 
 # Prompts of ~4,500 (Codex) and ~7,600 (Claude Code) tokens, sampled and then trained on 2 CPU cores.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -35,7 +33,7 @@ def by_duration(task: Any, outcome: Any) -> float:
                                                   ("train-claude.yaml", "anthropic.messages")])  # fmt: skip
 def test_one_step_through_the_harness(config_name: str, api: str, vllm: Upstream, restore: str, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    monkeypatch.setenv("PATH", f"{ROOT / '.harnesses' / 'node_modules' / '.bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{HARNESS_BIN}{os.pathsep}{os.environ['PATH']}")
     config = load_config(SHELL / config_name, TrainConfig)
     config.out, config.episodes_per_task, config.concurrency, config.eval = str(tmp_path / "run"), 2, 2, None
     config.proxy.upstream, config.proxy.vllm_args = vllm.url, []
