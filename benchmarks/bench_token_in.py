@@ -3,9 +3,9 @@ rl-proxy on the real vLLM CPU server with the default model, once with token-in 
 messages mode, side by side.
 
 Per family: the share of continuation calls (over all its sessions) that joined the previous
-call's training sequence (1.0: one sequence per episode), whether the masked-in tokens are exactly the sampled ids,
-training tokens merged against one sample per call, and the median latency of a continuation
-call (token-in adds one /tokenize of the request). Launches vLLM (eager mode, trusting request
+call's training sequence (1.0: one sequence per episode), whether the masked-in tokens are
+exactly the sampled ids, training tokens merged against one sample per call, and the median
+latency of a continuation call (token-in adds one /tokenize of the request). Launches vLLM (eager mode, trusting request
 chat templates, as the tests do) unless --upstream names a running one.
 """
 
