@@ -19,26 +19,28 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.mark.parametrize(
-    ("config", "extra", "timeout"),
+    ("config", "extra", "env", "timeout"),
     [
-        ("train-claude.yaml", ("--max-turns", "3"), 240),
-        ("train-codex.yaml", (), 120),  # under forced tool calls it never stops by itself
+        ("train-claude.yaml", ("--max-turns", "3"), {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "384"}, 240),
+        ("train-codex.yaml", (), {}, 120),  # under forced tool calls it never stops by itself
     ],
 )
 def test_a_harness_tool_calling_episode_joins_one_exact_sequence(
-    make_proxy: Any, vllm: Upstream, config: str, extra: tuple[str, ...], timeout: float
+    make_proxy: Any, vllm: Upstream, config: str, extra: tuple[str, ...], env: dict[str, str], timeout: float
 ) -> None:
-    # Codex quits on an answer cut at the cap (Claude Code sends the turn again): 384 tokens
-    # leaves a forced call room to end, and an episode that still quit after one call is run again.
+    # A forced call cut at the output cap is no tool call: Codex then quits, Claude Code sends the
+    # turn again. 384 tokens (not the configs' 128) leaves most calls room to end, and an episode
+    # with no finished tool call before its last is run again.
     proxy = make_proxy(vllm.url, max_completion_tokens=384)
-    episode = harness_session(config, *extra, sampling=FORCED, timeout=timeout)
+    episode = harness_session(config, *extra, sampling=FORCED, timeout=timeout, env=env)
     for attempt in range(3):
         calls = [c for c in proxy.calls(episode(proxy.url, f"ti-harness-{attempt}", vllm.model)) if c.ok]
-        if len(calls) >= 2:  # Codex's last call, cut at the timeout, is not ok
+        if any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1]):  # and a call after it
             break
-    assert len(calls) >= 2, f"{config}: {len(calls)} answered call(s) in each of 3 episodes"
+    assert any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1]), (
+        f"{config}: no tool call finished before the last of {len(calls)} answered call(s), in 3 episodes"
+    )
     assert all(c.rewrites["tool_choice"][1] == "required" for c in calls)
-    assert any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1])
     # Every continuation was built from the tokens already sampled: none went as messages. A
     # harness that sends a turn again (Claude Code after an answer cut at its output cap) forks.
     assert calls[0].thread_start == "first call of the session seen by this proxy"

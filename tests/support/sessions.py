@@ -112,17 +112,21 @@ FORCED = {"tool_choice": "required"}  # SmolLM2-135M seldom calls a tool of its 
 
 
 def harness_session(
-    config: str, *extra: str, sampling: dict[str, Any] | None = None, timeout: float = 300
+    config: str,
+    *extra: str,
+    sampling: dict[str, Any] | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
 ) -> Callable[[str, str, str], str]:
     """A session of a real CLI harness, as the shell example's `config` runs it (in its sandbox),
-    on a rename task, with `extra` arguments; returns a family's runner, which answers the session
-    id. A harness that never stops by itself (Codex under forced tool calls) is stopped at
+    on a rename task, with `extra` arguments and `env` variables; returns a family's runner, which
+    answers the session id. A harness that never stops by itself (Codex under forced tool calls) is stopped at
     `timeout`; the call cut then fails as "client disconnected"."""
     task = next(t for t in load_tasks(SHELL / "tasks.jsonl") if t.id == "rename-3")
     adapter = load_config(SHELL / config, TrainConfig if config.startswith("train") else CollectConfig).adapter()
     assert isinstance(adapter, CommandAdapter)
     path = f"{HARNESS_BIN}{os.pathsep}{command_env()['PATH']}"
-    adapter = replace(adapter, argv=[*adapter.argv, *extra], env={**adapter.env, "PATH": path})
+    adapter = replace(adapter, argv=[*adapter.argv, *extra], env={**adapter.env, "PATH": path, **(env or {})})
 
     def run(url: str, key: str, model: str) -> str:
         workdir = Path(tempfile.mkdtemp(prefix="rlp-harness-"))
