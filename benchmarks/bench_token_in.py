@@ -31,7 +31,9 @@ from tests.support.sessions import (
     FORCED,
     anthropic_session,
     harness_session,
+    masked_in,
     responses_session,
+    sampled,
     text_session,
     think_session,
     tool_session,
@@ -70,11 +72,7 @@ def score(calls: list[CallRecord]) -> dict[str, Any]:
     report = build_sequences(calls)
     chain_of = {span.seq: i for i, s in enumerate(report.sequences) for span in s.spans}
     joined = [chain_of.get(c.seq) == chain_of.get(p.seq) for p, c in pairwise(calls)]
-    exact = all(
-        [t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m]
-        == [t for span in s.spans for t in next(c for c in calls if c.seq == span.seq).completions[0].token_ids]
-        for s in report.sequences
-    )
+    exact = all(masked_in(s) == sampled(s, calls) for s in report.sequences)
     latency = [c.latency_ms for c in calls[1:]]
     return {"joined": joined, "exact": exact, "tokens": report.tokens, "unmerged": report.unmerged_tokens,
             "latency": latency}  # fmt: skip

@@ -190,8 +190,11 @@ class GroupReader:
         penalties), and the trainer scores its tokens at one temperature, untruncated."""
         for call in calls:
             # What the upstream was sent: the request, or what the proxy set instead (a session's sampling).
-            asked = {k: call.rewrites[k][1] if k in call.rewrites else call.request.get(k) for k in NEUTRAL_SAMPLING}
-            used = {k: self.defaults[k] if v is None else v for k, v in asked.items()}
+            sent = {
+                k: call.rewrites[k][1] if k in call.rewrites else call.request.get(k)
+                for k in (*NEUTRAL_SAMPLING, *GRAMMAR)
+            }
+            used = {k: self.defaults[k] if sent[k] is None else sent[k] for k in NEUTRAL_SAMPLING}
             if abs(float(used["temperature"]) - self.temperature) > 1e-6:
                 return (f"call {call.seq} sampled at temperature {used['temperature']}, and the trainer scores at "
                         f"{self.temperature} (grpo.temperature)")  # fmt: skip
@@ -199,9 +202,9 @@ class GroupReader:
                        if k != "temperature" and v != NEUTRAL_SAMPLING[k] and (k, v) != ("top_k", 0)]  # fmt: skip
             # A grammar masks the vocabulary as truncation does (a forced tool call, a JSON schema).
             for k in GRAMMAR:
-                v = call.rewrites[k][1] if k in call.rewrites else call.request.get(k)
-                if (v.get("type", v) if isinstance(v, dict) else v) not in (None, "auto", "none", "text"):
-                    changed.append(f"{k} {v!r}")
+                kind = sent[k].get("type", sent[k]) if isinstance(sent[k], dict) else sent[k]
+                if kind not in (None, "auto", "none", "text"):
+                    changed.append(f"{k} {sent[k]!r}")
             if changed and not self.cfg.allow_truncated_sampling:
                 return (f"call {call.seq} sampled with {', '.join(changed)}: the trainer scores the whole "
                         "distribution (train.allow_truncated_sampling accepts such calls)")  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from recorder.trajectories import build_sequences
-from tests.support.sessions import FORCED, harness_session
+from tests.support.sessions import FORCED, harness_session, masked_in, sampled
 from tests.support.stack import Upstream
 
 # ~5,800 (Claude Code) and ~4,700-token (Codex) prompts on 2 CPU cores, up to 3 episodes; the
@@ -35,11 +35,10 @@ def test_a_harness_tool_calling_episode_joins_one_exact_sequence(
     episode = harness_session(config, *extra, sampling=FORCED, timeout=timeout, env=env)
     for attempt in range(3):
         calls = [c for c in proxy.calls(episode(proxy.url, f"ti-harness-{attempt}", vllm.model)) if c.ok]
-        if any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1]):  # and a call after it
+        continued = any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1])  # and a call after it
+        if continued:
             break
-    assert any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1]), (
-        f"{config}: no tool call finished before the last of {len(calls)} answered call(s), in 3 episodes"
-    )
+    assert continued, f"{config}: no tool call finished before the last of {len(calls)} answered call(s), in 3 episodes"
     assert all(c.rewrites["tool_choice"][1] == "required" for c in calls)
     # Every continuation was built from the tokens already sampled: none went as messages. A
     # harness that sends a turn again (Claude Code after an answer cut at its output cap) forks.
@@ -48,7 +47,5 @@ def test_a_harness_tool_calling_episode_joins_one_exact_sequence(
         assert call.token_in, call.thread_start
     report = build_sequences(calls)
     assert len(report.sequences) <= 1 + sum(c.thread_start is not None for c in calls[1:])
-    by_seq = {c.seq: c for c in calls}
     for sequence in report.sequences:
-        sampled = [t for span in sequence.spans for t in by_seq[span.seq].completions[0].token_ids]
-        assert [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m] == sampled
+        assert masked_in(sequence) == sampled(sequence, calls)

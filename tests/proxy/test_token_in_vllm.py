@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from recorder import CallRecord
 from recorder.trajectories import build_sequences
-from tests.support.sessions import anthropic_session, responses_session, think_session, tool_session
+from tests.support.sessions import anthropic_session, masked_in, responses_session, sampled, think_session, tool_session
 from tests.support.stack import Upstream, direct_chat
 
 pytestmark = pytest.mark.vllm
@@ -22,8 +22,7 @@ def assert_one_exact_sequence(calls: list[CallRecord]) -> None:
     report = build_sequences(calls)
     [sequence] = report.sequences
     assert [span.seq for span in sequence.spans] == [c.seq for c in calls]
-    sampled = [t for c in calls for t in c.completions[0].token_ids]
-    assert [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m] == sampled
+    assert masked_in(sequence) == sampled(sequence, calls)
     logprobs = [lp for c in calls for lp in c.completions[0].logprobs]
     assert [lp for lp, m in zip(sequence.logprobs, sequence.loss_mask, strict=True) if m] == logprobs
     assert [c.token_in for c in calls] == [False] + [True] * (len(calls) - 1)

@@ -18,6 +18,8 @@ from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
+from recorder import CallRecord
+from recorder.trajectories import TrainingSequence
 from tests.support.samples import ADD_TOOL, FORCE_ADD
 from trainer.config import TrainConfig
 
@@ -136,3 +138,14 @@ def harness_session(
         return result.session_id
 
     return run
+
+
+def masked_in(sequence: TrainingSequence) -> list[int]:
+    """The ids a training sequence trains on (loss mask 1)."""
+    return [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m]
+
+
+def sampled(sequence: TrainingSequence, calls: list[CallRecord]) -> list[int]:
+    """The ids its calls sampled, span by span: what `masked_in` must equal."""
+    by_seq = {c.seq: c for c in calls}
+    return [t for span in sequence.spans for t in by_seq[span.seq].completions[0].token_ids]
