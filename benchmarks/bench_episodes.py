@@ -35,16 +35,31 @@ def measure(upstream: str, model: str, levels: list[int], per_level: int, work: 
         for level in levels:
             episodes = max(per_level, level * 2)
             chosen = [tasks[i % len(tasks)] for i in range(episodes)]
-            runner = EpisodeRunner(proxy.url, adapter, rewards, model, work / f"c{level}", f"bench-c{level}",
-                                   timeout=300, concurrency=level)  # fmt: skip
+            runner = EpisodeRunner(
+                proxy.url,
+                adapter,
+                rewards,
+                model,
+                work / f"c{level}",
+                f"bench-c{level}",
+                timeout=300,
+                concurrency=level,
+            )
             start = time.perf_counter()
             results = asyncio.run(runner.run_all(chosen, 1))
             seconds = time.perf_counter() - start
             calls = sum(r.calls for r in results)
             wins = sum(r.success(1.0) for r in results)
-            rows.append({"level": level, "episodes": episodes, "seconds": seconds,
-                         "per_minute": episodes * 60 / seconds, "calls_per_s": calls / seconds,
-                         "success": wins / episodes})  # fmt: skip
+            rows.append(
+                {
+                    "level": level,
+                    "episodes": episodes,
+                    "seconds": seconds,
+                    "per_minute": episodes * 60 / seconds,
+                    "calls_per_s": calls / seconds,
+                    "success": wins / episodes,
+                }
+            )
             print(f"  {level} concurrent episodes: done", flush=True)
     return rows
 
@@ -59,12 +74,19 @@ def bench_vllm(
 
         yield upstream, httpx.get(f"{upstream}/models").json()["data"][0]["id"]
         return
-    from proxy.vllm import VllmServer, resolve_model
+    from proxy.model import resolve_model
+    from proxy.vllm import VllmServer
 
     path, model = resolve_model("default")
     print("starting vLLM (eager) ...", flush=True)
-    with VllmServer(path, model, log_file=work / "vllm.log", max_model_len=max_model_len,
-                    extra_args=["--enforce-eager", *(extra_args or [])], lora_rank=lora_rank) as server:  # fmt: skip
+    with VllmServer(
+        path,
+        model,
+        log_file=work / "vllm.log",
+        max_model_len=max_model_len,
+        extra_args=["--enforce-eager", *(extra_args or [])],
+        lora_rank=lora_rank,
+    ) as server:
         server.wait_ready(900)
         yield server.base_url, model
 
@@ -82,8 +104,10 @@ def main() -> None:
     print("| concurrent episodes | episodes | seconds | episodes/min | model calls/s | success |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['level']} | {r['episodes']} | {r['seconds']:.1f} | {r['per_minute']:.1f} | "
-              f"{r['calls_per_s']:.2f} | {r['success']:.0%} |")  # fmt: skip
+        print(
+            f"| {r['level']} | {r['episodes']} | {r['seconds']:.1f} | {r['per_minute']:.1f} | "
+            f"{r['calls_per_s']:.2f} | {r['success']:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -88,15 +88,23 @@ def main() -> None:
     )
     py, litellm = sys.executable, str(Path(sysconfig.get_path("scripts")) / "litellm")
     with (
-        process([py, "-m", "tests.support.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
-                f"{stub}/models", work / "stub.log"),
-        process([py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(db), "--port", str(rlp_port)],
-                f"http://127.0.0.1:{rlp_port}/healthz", work / "rl-proxy.log"),
-        process([litellm, "--config", str(work / "litellm.yaml"), "--port", str(litellm_port)],
-                f"http://127.0.0.1:{litellm_port}/health/liveliness", work / "litellm.log",
-                env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
-                     "LITELLM_MASTER_KEY": LITELLM_KEY}),
-    ):  # fmt: skip
+        process(
+            [py, "-m", "tests.support.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
+            f"{stub}/models",
+            work / "stub.log",
+        ),
+        process(
+            [py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(db), "--port", str(rlp_port)],
+            f"http://127.0.0.1:{rlp_port}/healthz",
+            work / "rl-proxy.log",
+        ),
+        process(
+            [litellm, "--config", str(work / "litellm.yaml"), "--port", str(litellm_port)],
+            f"http://127.0.0.1:{litellm_port}/health/liveliness",
+            work / "litellm.log",
+            env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY},
+        ),
+    ):
         targets = {
             "direct": f"{stub}/chat/completions",
             "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
@@ -112,8 +120,10 @@ def main() -> None:
             raw: dict[str, list[float]] = {name: [] for name in targets}
             for round_ in range(args.rounds):
                 key = f"bench-{level}-{round_}"
-                got = {name: asyncio.run(load(url, level, requests, LITELLM_KEY if name == "litellm" else key))
-                       for name, url in targets.items()}  # fmt: skip
+                got = {
+                    name: asyncio.run(load(url, level, requests, LITELLM_KEY if name == "litellm" else key))
+                    for name, url in targets.items()
+                }
                 sent_to_rlp += requests
                 base = statistics.median(got["direct"])
                 for name in added:
@@ -129,28 +139,52 @@ def main() -> None:
         api_rows, sent = translation_cost(stub, f"http://127.0.0.1:{rlp_port}/v1", args)
         sent_to_rlp += sent
         plain_port = free_port()
-        with process([py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(work / "messages.db"),
-                      "--port", str(plain_port), "--messages-mode"],
-                     f"http://127.0.0.1:{plain_port}/healthz", work / "messages-mode.log"):  # fmt: skip
+        with process(
+            [
+                py,
+                "-m",
+                "proxy.cli",
+                "serve",
+                "--upstream",
+                stub,
+                "--db",
+                str(work / "messages.db"),
+                "--port",
+                str(plain_port),
+                "--messages-mode",
+            ],
+            f"http://127.0.0.1:{plain_port}/healthz",
+            work / "messages-mode.log",
+        ):
             token_in = token_in_cost(f"http://127.0.0.1:{rlp_port}/v1", f"http://127.0.0.1:{plain_port}/v1", args)
         sent_to_rlp += token_in.pop("sent")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
-    print(f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
-          f"{args.rounds} interleaved rounds)\n")  # fmt: skip
-    print("| concurrency | requests/target | direct median | rl-proxy median | rl-proxy p99 | LiteLLM median "
-          "| LiteLLM p99 |")  # fmt: skip
+    print(
+        f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
+        f"{args.rounds} interleaved rounds)\n"
+    )
+    print(
+        "| concurrency | requests/target | direct median | rl-proxy median | rl-proxy p99 | LiteLLM median "
+        "| LiteLLM p99 |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['level']} | {r['requests']} | {r['direct']:.1f} | {r['rl-proxy median']:.2f} | "
-              f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} |")  # fmt: skip
-    print(f"\nAdded latency of each API through rl-proxy over a direct chat call of the same kind, ms "
-          f"({args.api_level} concurrent clients, stub upstream)\n")  # fmt: skip
+        print(
+            f"| {r['level']} | {r['requests']} | {r['direct']:.1f} | {r['rl-proxy median']:.2f} | "
+            f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} |"
+        )
+    print(
+        f"\nAdded latency of each API through rl-proxy over a direct chat call of the same kind, ms "
+        f"({args.api_level} concurrent clients, stub upstream)\n"
+    )
     print("| API | mode | direct median | added median | added p99 |")
     print("|---|---|---:|---:|---:|")
     for api, mode, direct, median, high in api_rows:
         print(f"| {api} | {mode} | {direct:.1f} | {median:.2f} | {high:.2f} |")
-    print(f"\nA continuation call's latency with token-in against messages mode, ms ({args.api_level} concurrent "
-          f"3-turn sessions, stub upstream, {args.rounds} interleaved rounds)\n")  # fmt: skip
+    print(
+        f"\nA continuation call's latency with token-in against messages mode, ms ({args.api_level} concurrent "
+        f"3-turn sessions, stub upstream, {args.rounds} interleaved rounds)\n"
+    )
     print("| token-in median | messages mode median | added median |")
     print("|---:|---:|---:|")
     print(f"| {token_in['token-in']:.2f} | {token_in['messages']:.2f} | {token_in['added']:.2f} |")
@@ -175,8 +209,10 @@ def translation_cost(stub: str, rlp: str, args: argparse.Namespace) -> tuple[lis
         sent += 40 * len(API_BODIES)
         for round_ in range(args.rounds):
             key = f"bench-api-{mode}-{round_}"
-            got = {name: asyncio.run(load(url, level, requests, key, {**body, "stream": stream}))
-                   for name, (url, body) in targets.items()}  # fmt: skip
+            got = {
+                name: asyncio.run(load(url, level, requests, key, {**body, "stream": stream}))
+                for name, (url, body) in targets.items()
+            }
             sent += requests * len(API_BODIES)
             base = statistics.median(got["direct"])
             direct += got["direct"]
@@ -200,8 +236,9 @@ async def sessions(url: str, concurrency: int, count: int, tag: str) -> list[flo
                 for turn in range(3):
                     start = time.perf_counter()
                     body = {**BODY, "messages": messages}
-                    async with session.post(f"{url}/chat/completions", json=body,
-                                            headers={"Authorization": f"Bearer {tag}-{n}"}) as resp:  # fmt: skip
+                    async with session.post(
+                        f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {tag}-{n}"}
+                    ) as resp:
                         answer = await resp.json()
                     if turn:
                         latencies.append((time.perf_counter() - start) * 1000)

@@ -36,13 +36,19 @@ def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
     """One variant, in this process (and its torchrun peers): timed steps, peak memory, weights."""
     import torch
 
-    from proxy.vllm import resolve_model
+    from proxy.model import resolve_model
     from trainer.grpo import Learner
 
     config = load_config(EXAMPLE / "train.yaml", TrainConfig)
     samples = pickle.loads(batch.read_bytes())
-    learner = Learner(resolve_model("default")[0], out / "trl", config.train.grpo, steps + 1, config.train.micro_batch,
-                      lora=LORA_DEFAULTS if lora else None)  # fmt: skip
+    learner = Learner(
+        resolve_model("default")[0],
+        out / "trl",
+        config.train.grpo,
+        steps + 1,
+        config.train.micro_batch,
+        lora=LORA_DEFAULTS if lora else None,
+    )
     seconds: list[float] = []
 
     def lead() -> None:
@@ -59,8 +65,16 @@ def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
     torch.save(trained, out / "weights.pt")
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     trainable = sum(p.numel() for p in trained.values())
-    (out / "result.json").write_text(json.dumps({"step_s": statistics.median(seconds[1:]), "peak_gb": peak_gb,
-                                                  "trainable": trainable, "processes": learner.world}))  # fmt: skip
+    (out / "result.json").write_text(
+        json.dumps(
+            {
+                "step_s": statistics.median(seconds[1:]),
+                "peak_gb": peak_gb,
+                "trainable": trainable,
+                "processes": learner.world,
+            }
+        )
+    )
 
 
 def run_variant(work: Path, name: str, steps: int, lora: bool = False, processes: int = 1) -> dict[str, Any]:
@@ -78,9 +92,10 @@ async def swap_pauses(upstream: str, model: str, work: Path, rounds: int) -> dic
     import httpx
     from openai import AsyncOpenAI
 
+    from proxy.model import resolve_model
     from proxy.upstream import adapter_name
-    from proxy.vllm import hot_swap, load_adapter, resolve_model, set_version
     from trainer.grpo import Learner
+    from trainer.weight_sync import hot_swap, load_adapter, set_version
 
     base = Path(resolve_model("default")[0])
     adapter = work / "adapter"
@@ -124,16 +139,21 @@ def main() -> None:
         samples = example_batch(upstream, model, config, work)
         pauses = asyncio.run(swap_pauses(upstream, model, work, args.rounds))
     (work / "batch.pkl").write_bytes(pickle.dumps(samples))
-    rows = [run_variant(work, "full", args.steps), run_variant(work, "lora", args.steps, lora=True),
-            run_variant(work, "full-2", args.steps, processes=2)]  # fmt: skip
+    rows = [
+        run_variant(work, "full", args.steps),
+        run_variant(work, "lora", args.steps, lora=True),
+        run_variant(work, "full-2", args.steps, processes=2),
+    ]
     import torch
 
     one, two = torch.load(work / "full" / "weights.pt"), torch.load(work / "full-2" / "weights.pt")
     drift = max(float((one[k] - two[k]).abs().max()) for k in one)
 
     tokens = sum(len(s.sequence.input_ids) for s in samples)
-    print(f"\nThe optimizer step on the arithmetic example's batch ({len(samples)} sequences, {tokens} tokens, "
-          f"micro_batch {config.train.micro_batch}), 2 CPU cores, median of {args.steps}:\n")  # fmt: skip
+    print(
+        f"\nThe optimizer step on the arithmetic example's batch ({len(samples)} sequences, {tokens} tokens, "
+        f"micro_batch {config.train.micro_batch}), 2 CPU cores, median of {args.steps}:\n"
+    )
     print("| learner | processes | trainable parameters | median step s | peak memory GB (rank 0) |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:
@@ -143,8 +163,10 @@ def main() -> None:
     print(f"\nA new version while 8 streams are in flight, median of {args.rounds}:\n")
     print("| swap | median s until it serves | vLLM paused | failed streams |")
     print("|---|---:|---|---:|")
-    for kind, label, paused in (("full reload", "full reload (safetensors)", "yes"),
-                                ("adapter load", "LoRA adapter load", "no")):  # fmt: skip
+    for kind, label, paused in (
+        ("full reload", "full reload (safetensors)", "yes"),
+        ("adapter load", "LoRA adapter load", "no"),
+    ):
         took, failed = pauses[kind]
         print(f"| {label} | {statistics.median(took):.2f} | {paused} | {failed} |")
 

@@ -26,6 +26,7 @@ from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import CallRecord, Store
+from recorder.episodes import Sampling
 from recorder.trajectories import build_sequences
 from tests.support.sessions import (
     FORCED,
@@ -62,7 +63,7 @@ FAMILIES: dict[str, Callable[[str, str, str], str | None]] = {
     # Greedy, so that both modes see the same episodes: mini's own temperature (0.7) made the two
     # modes' sessions differ in which answers mini dropped, which is what decides its joins.
     "mini-swe-agent, text-based, greedy (4 steps)": harness_session(
-        "collect.yaml", "-c", "agent.step_limit=4", sampling={"temperature": 0}
+        "collect.yaml", "-c", "agent.step_limit=4", sampling=Sampling(temperature=0)
     ),
 }
 
@@ -74,8 +75,13 @@ def score(calls: list[CallRecord]) -> dict[str, Any]:
     joined = [chain_of.get(c.seq) == chain_of.get(p.seq) for p, c in pairwise(calls)]
     exact = all(masked_in(s) == sampled(s, calls) for s in report.sequences)
     latency = [c.latency_ms for c in calls[1:]]
-    return {"joined": joined, "exact": exact, "tokens": report.tokens, "unmerged": report.unmerged_tokens,
-            "latency": latency}  # fmt: skip
+    return {
+        "joined": joined,
+        "exact": exact,
+        "tokens": report.tokens,
+        "unmerged": report.unmerged_tokens,
+        "latency": latency,
+    }
 
 
 def measure(
@@ -102,9 +108,10 @@ def measure(
                     results.setdefault(family, {})[mode] = {
                         "joined": statistics.fmean([j for s in scores for j in s["joined"]] or [math.nan]),
                         "exact": all(s["exact"] for s in scores),
-                        "tokens": sum(s["tokens"] for s in scores), "unmerged": sum(s["unmerged"] for s in scores),
+                        "tokens": sum(s["tokens"] for s in scores),
+                        "unmerged": sum(s["unmerged"] for s in scores),
                         "latency": statistics.median([x for s in scores for x in s["latency"]] or [math.nan]),
-                    }  # fmt: skip
+                    }
 
         asyncio.run(read())
     return results
@@ -131,8 +138,10 @@ def main() -> None:
     print("|---|---:|---|---:|---:|")
     for family, r in results.items():
         t, m = r["token-in"], r["messages"]
-        print(f"| {family} | {t['joined']:.2f} / {m['joined']:.2f} | {'yes' if t['exact'] and m['exact'] else 'NO'} | "
-              f"{t['tokens']} / {t['unmerged']} | {t['latency']:.0f} / {m['latency']:.0f} |")  # fmt: skip
+        print(
+            f"| {family} | {t['joined']:.2f} / {m['joined']:.2f} | {'yes' if t['exact'] and m['exact'] else 'NO'} | "
+            f"{t['tokens']} / {t['unmerged']} | {t['latency']:.0f} / {m['latency']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ from openai import AsyncOpenAI
 from benchmarks.bench_episodes import bench_vllm
 from harness_adapters.config import load_config
 from proxy.app import create_app
+from proxy.model import resolve_model
 from proxy.server import AppThread
 from proxy.settings import Settings
-from proxy.vllm import hot_swap, resolve_model
 from trainer.config import TrainConfig
 from trainer.run import train
+from trainer.weight_sync import hot_swap
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "harness_adapters" / "examples" / "arithmetic"
 
@@ -39,8 +40,7 @@ def swap_pauses(upstream: str, model: str, work: Path, rounds: int = 5) -> list[
         messages = [{"role": "user", "content": "Tell me a long story."}]
 
         async def stream() -> None:
-            answer = await client.chat.completions.create(model=model, messages=messages, max_tokens=64,
-                                                          stream=True)  # fmt: skip
+            answer = await client.chat.completions.create(model=model, messages=messages, max_tokens=64, stream=True)
             async for _ in answer:
                 pass
 
@@ -65,17 +65,24 @@ def train_run(upstream: str, mode: str, steps: int, work: Path) -> dict[str, Any
     config.train = config.train.model_copy(update={"steps": steps, "mode": mode})
     config.eval = None
     summary = train(config, progress=False)
-    rows = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
-    asyncio.run(hot_swap([upstream.removesuffix("/v1")], Path(resolve_model("default")[0]), "0",
-                         Path(resolve_model("default")[0])))  # fmt: skip
+    rows = [json.loads(line) for line in summary.metrics.read_text().splitlines()]
+    asyncio.run(
+        hot_swap(
+            [upstream.removesuffix("/v1")], Path(resolve_model("default")[0]), "0", Path(resolve_model("default")[0])
+        )
+    )
     return {
-        "mode": mode, "steps": len(rows), "samples": summary["samples"], "seconds": rows[-1]["time"],
+        "mode": mode,
+        "steps": len(rows),
+        "samples": summary.state.samples,
+        "seconds": rows[-1]["time"],
         "tokens_per_s": statistics.median(r["sequence_tokens_per_s"] for r in rows),
         "sampled_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
         "train_s": statistics.median(r["train_s"] for r in rows),
         "wait_s": statistics.median(r["wait_s"] for r in rows),
-        "skipped": summary["skipped_equal"], "stale": summary["dropped_stale"],
-    }  # fmt: skip
+        "skipped": summary.state.skipped_equal,
+        "stale": summary.state.dropped_stale,
+    }
 
 
 def main() -> None:
@@ -96,19 +103,27 @@ def main() -> None:
 
     with bench_vllm(args.upstream, work, max_model_len=2048) as (upstream, model):
         pauses, runs = measure(upstream, model)
-    print(f"\nHot swap ({model}, vLLM CPU): pause with 8 streams in flight, 5 swaps: "
-          f"median {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s\n")  # fmt: skip
+    print(
+        f"\nHot swap ({model}, vLLM CPU): pause with 8 streams in flight, 5 swaps: "
+        f"median {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s\n"
+    )
     print(f"Training the arithmetic example, {args.steps} steps of 16 episodes, 2 CPU cores:\n")
-    print("| mode | steps | samples | wall-clock s | median step: train s / waiting s | trainer tokens/s "
-          "(all / sampled) | groups skipped | episodes stale |")  # fmt: skip
+    print(
+        "| mode | steps | samples | wall-clock s | median step: train s / waiting s | trainer tokens/s "
+        "(all / sampled) | groups skipped | episodes stale |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in runs:
-        print(f"| {r['mode']} | {r['steps']} | {r['samples']} | {r['seconds']:.0f} | {r['train_s']:.0f} / "
-              f"{r['wait_s']:.0f} | {r['tokens_per_s']:.0f} / {r['sampled_tokens_per_s']:.0f} | {r['skipped']} | "
-              f"{r['stale']} |")  # fmt: skip
+        print(
+            f"| {r['mode']} | {r['steps']} | {r['samples']} | {r['seconds']:.0f} | {r['train_s']:.0f} / "
+            f"{r['wait_s']:.0f} | {r['tokens_per_s']:.0f} / {r['sampled_tokens_per_s']:.0f} | {r['skipped']} | "
+            f"{r['stale']} |"
+        )
     per_sample = {r["mode"]: r["seconds"] / r["samples"] for r in runs}
-    print(f"\nwall-clock per trained sample: async {per_sample['async']:.2f} s, sync {per_sample['sync']:.2f} s "
-          f"(async/sync speed: {per_sample['sync'] / per_sample['async']:.2f}x)")  # fmt: skip
+    print(
+        f"\nwall-clock per trained sample: async {per_sample['async']:.2f} s, sync {per_sample['sync']:.2f} s "
+        f"(async/sync speed: {per_sample['sync'] / per_sample['async']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from harness_adapters.rollouts import Rollouts
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
 from proxy.app import create_app
+from proxy.model import resolve_model
 from proxy.server import AppThread
 from proxy.settings import Settings
-from proxy.vllm import resolve_model
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import GroupReader, LoopState
@@ -38,8 +38,16 @@ def example_batch(upstream: str, model: str, config: TrainConfig, work: Path) ->
     tasks = load_tasks(config.path(config.tasks), config.split)
 
     async def main(url: str) -> list[Sample]:
-        runner = EpisodeRunner(url, config.adapter(), config.reward_sources(), model, work / "episodes", "bench-step",
-                               config.timeout, config.concurrency)  # fmt: skip
+        runner = EpisodeRunner(
+            url,
+            config.adapter(),
+            config.reward_sources(),
+            model,
+            work / "episodes",
+            "bench-step",
+            config.timeout,
+            config.concurrency,
+        )
         rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency))
         samples: list[Sample] = []
         async with Store(db) as store, runner.admin() as admin:
@@ -88,15 +96,19 @@ def main() -> None:
             start = time.perf_counter()
             learner.step(samples)
             seconds[shared].append(time.perf_counter() - start)
-            print(f"  step {n + 1}/{args.steps} {'shared prompt' if shared else 'plain'}: "
-                  f"{seconds[shared][-1]:.1f} s", flush=True)  # fmt: skip
+            print(
+                f"  step {n + 1}/{args.steps} {'shared prompt' if shared else 'plain'}: {seconds[shared][-1]:.1f} s",
+                flush=True,
+            )
 
     tokens = sum(len(s.sequence.input_ids) for s in samples)
     prompts = {tuple(s.sequence.input_ids[: s.split]) for s in samples}
     plain_s, shared_s = statistics.median(seconds[False]), statistics.median(seconds[True])
-    print(f"\nOne optimizer step on the arithmetic example's batch ({len(samples)} sequences, {tokens} tokens, "
-          f"{len(prompts)} prompts, micro_batch {train.micro_batch}, loss {train.grpo['loss_type']}), "
-          f"this machine's CPU, median of {args.steps}:\n")  # fmt: skip
+    print(
+        f"\nOne optimizer step on the arithmetic example's batch ({len(samples)} sequences, {tokens} tokens, "
+        f"{len(prompts)} prompts, micro_batch {train.micro_batch}, loss {train.grpo['loss_type']}), "
+        f"this machine's CPU, median of {args.steps}:\n"
+    )
     print("| path | median step s | loss (same weights) | gradient norm |")
     print("|---|---:|---:|---:|")
     print(f"| plain (TRL's padded batch) | {plain_s:.2f} | {plain_loss:.6f} | {plain_norm:.6f} |")

@@ -80,8 +80,10 @@ def main(sessions: int, turns: int, long_turns: int) -> None:
     if browser_s is None:
         print("\n(no chromium here: the browser's load time is not measured)")
     else:
-        print(f"\nthe {long_tokens:,}-token session in headless Chromium (load and layout, median of 3): "
-              f"{browser_s * 1000:.0f} ms")  # fmt: skip
+        print(
+            f"\nthe {long_tokens:,}-token session in headless Chromium (load and layout, median of 3): "
+            f"{browser_s * 1000:.0f} ms"
+        )
 
 
 def browser_load(url: str) -> float:
@@ -91,8 +93,9 @@ def browser_load(url: str) -> float:
         browser = playwright.chromium.launch(executable_path=shutil.which("chromium"))
         page = browser.new_page()
         # Until the page is loaded and laid out: the last token's box is known.
-        seconds = median_time(lambda: (page.goto(url, wait_until="load"),
-                                       page.locator(".tokens .t").last.bounding_box()), 3)  # fmt: skip
+        seconds = median_time(
+            lambda: (page.goto(url, wait_until="load"), page.locator(".tokens .t").last.bounding_box()), 3
+        )
         browser.close()
     return seconds
 

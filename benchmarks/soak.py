@@ -35,12 +35,18 @@ def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> li
                 load = asyncio.run(run_load(base, sessions, seconds, KINDS, pid))
             problems = load.errors + verify(db, load)
             third = max(1, len(load.rss) // 3)
-            rows.append({
-                "store": kind, "calls": len(load.answered), "rate": load.rate, "problems": problems,
-                "p50": statistics.median(load.latencies), "p99": p99(load.latencies),
-                "rss_early": statistics.median(load.rss[third:2 * third] or load.rss),
-                "rss_late": statistics.median(load.rss[-third:]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "store": kind,
+                    "calls": len(load.answered),
+                    "rate": load.rate,
+                    "problems": problems,
+                    "p50": statistics.median(load.latencies),
+                    "p99": p99(load.latencies),
+                    "rss_early": statistics.median(load.rss[third : 2 * third] or load.rss),
+                    "rss_late": statistics.median(load.rss[-third:]),
+                }
+            )
     return rows
 
 
@@ -58,16 +64,20 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
             print(f"  round {round_ + 1}/{rounds} done", file=sys.stderr)
         problems = {kind: [p for load in samples[kind] for p in verify(db, load)] for kind, db in dbs.items()}
     direct = statistics.median(x for load in samples["direct"] for x in load.latencies)
-    print(f"\nCalls recorded per second at {sessions} concurrent clients, multi-turn chat (stub upstream: "
-          f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s)\n")  # fmt: skip
+    print(
+        f"\nCalls recorded per second at {sessions} concurrent clients, multi-turn chat (stub upstream: "
+        f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s)\n"
+    )
     print("| target | calls/s (median of rounds) | latency median ms | p99 ms | added median ms | lost or mismatched |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, loads in samples.items():
         values = [x for load in loads for x in load.latencies]
         lost = "-" if name == "direct" else str(len(problems[name]))
-        print(f"| {name if name == 'direct' else f'rl-proxy + {name}'} | "
-              f"{statistics.median(load.rate for load in loads):.0f} | {statistics.median(values):.1f} | "
-              f"{p99(values):.1f} | {statistics.median(values) - direct:.1f} | {lost} |")  # fmt: skip
+        print(
+            f"| {name if name == 'direct' else f'rl-proxy + {name}'} | "
+            f"{statistics.median(load.rate for load in loads):.0f} | {statistics.median(values):.1f} | "
+            f"{p99(values):.1f} | {statistics.median(values) - direct:.1f} | {lost} |"
+        )
     if any(problems.values()):
         sys.exit(f"calls were lost or mismatched: {problems}")
 
@@ -85,13 +95,17 @@ def main() -> None:
         bench(args.sessions, min(args.seconds, 10.0), args.rounds, args.latency)
         return
     rows = soak(args.stores, args.sessions, args.seconds, args.latency)
-    print(f"\nSoak: {args.sessions} sessions x {args.seconds:.0f} s per store, multi-turn, four APIs "
-          f"(stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM)\n")  # fmt: skip
+    print(
+        f"\nSoak: {args.sessions} sessions x {args.seconds:.0f} s per store, multi-turn, four APIs "
+        f"(stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM)\n"
+    )
     print("| store | calls | calls/s | p50 ms | p99 ms | proxy RSS, 2nd third → last third, MB | lost or mismatched |")
     print("|---|---:|---:|---:|---:|---|---:|")
     for r in rows:
-        print(f"| {r['store']} | {r['calls']} | {r['rate']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
-              f"{r['rss_early']:.0f} → {r['rss_late']:.0f} | {len(r['problems'])} |")  # fmt: skip
+        print(
+            f"| {r['store']} | {r['calls']} | {r['rate']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
+            f"{r['rss_early']:.0f} → {r['rss_late']:.0f} | {len(r['problems'])} |"
+        )
     problems = [p for r in rows for p in r["problems"]]
     for problem in problems[:20]:
         print(problem, file=sys.stderr)

@@ -33,13 +33,28 @@ def collect(
     except (ConfigError, TaskError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from exc
-    table = Table("task", "episodes", "success", "mean reward", "failed", "timeout", "no calls",
-                  title=f"run {loaded.run}: success = reward >= {loaded.success_at:g}")  # fmt: skip
+    table = Table(
+        "task",
+        "episodes",
+        "success",
+        "mean reward",
+        "failed",
+        "timeout",
+        "no calls",
+        title=f"run {loaded.run}: success = reward >= {loaded.success_at:g}",
+    )
     rows = summary(results, loaded.success_at)
     for row in rows:
         mean = "-" if row["mean_reward"] is None else f"{row['mean_reward']:.2f}"
-        table.add_row(row["task"], str(row["episodes"]), str(row["success"]), mean, str(row["failed"]),
-                      str(row["timeout"]), str(row["no_calls"]))  # fmt: skip
+        table.add_row(
+            row["task"],
+            str(row["episodes"]),
+            str(row["success"]),
+            mean,
+            str(row["failed"]),
+            str(row["timeout"]),
+            str(row["no_calls"]),
+        )
     wins = sum(row["success"] for row in rows)
     table.add_row("all", str(len(results)), f"{wins} ({wins / max(len(results), 1):.0%})", "", "", "", "")
     console.print(table)

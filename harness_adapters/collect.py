@@ -38,11 +38,26 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
     adapter, rewards = config.adapter(), config.reward_sources()
     out = config.out_dir
     total = len(tasks) * config.episodes_per_task
-    columns = (TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-               TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("episodes"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with proxy_for(config) as (url, model, db, _), Progress(*columns, disable=not progress) as bar:
-        runner = EpisodeRunner(url, adapter, rewards, model, out / "episodes", config.run, config.timeout,
-                               config.concurrency, config.proxy.admin_token)  # fmt: skip
+        runner = EpisodeRunner(
+            url,
+            adapter,
+            rewards,
+            model,
+            out / "episodes",
+            config.run,
+            config.timeout,
+            config.concurrency,
+            config.proxy.admin_token,
+        )
         job = bar.add_task("episodes", total=total, rate="")
         finished: list[EpisodeResult] = []
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from harness_adapters.tasks import Task
+from recorder.episodes import HarnessStatus
 
 OUTPUT_CHARS = 20_000  # of a harness's stdout kept as its output
 
@@ -51,16 +52,25 @@ class Endpoint:
         """The variables harnesses read for their endpoint, all pointing at the proxy."""
         v1, root = self.openai_base_url, self.url.rstrip("/")
         return {
-            "OPENAI_BASE_URL": v1, "OPENAI_API_BASE": v1, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model,
-            "ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": self.api_key, "ANTHROPIC_MODEL": self.model,
-            "RLP_BASE_URL": root, "RLP_SESSION_KEY": self.api_key, "RLP_MODEL": self.model,
+            "OPENAI_BASE_URL": v1,
+            "OPENAI_API_BASE": v1,
+            "OPENAI_API_KEY": self.api_key,
+            "OPENAI_MODEL": self.model,
+            "ANTHROPIC_BASE_URL": root,
+            "ANTHROPIC_API_KEY": self.api_key,
+            "ANTHROPIC_MODEL": self.model,
+            "RLP_BASE_URL": root,
+            "RLP_SESSION_KEY": self.api_key,
+            "RLP_MODEL": self.model,
             "RLP_SESSION_ID": self.session_id,  # for POST /admin/sessions/{id}/reward
-        }  # fmt: skip
+        }
 
 
 @dataclass
 class Outcome:
-    status: str  # "ok", "failed" or "timeout"
+    """What a harness's run did (the episode's record in the store is recorder's EpisodeOutcome)."""
+
+    status: HarnessStatus
     output: str = ""  # the final answer (python adapters) or the end of stdout (commands)
     error: str | None = None
     exit_code: int | None = None
@@ -100,10 +110,15 @@ def template_values(task: Task, endpoint: Endpoint, workdir: Path) -> dict[str, 
     """What `{name}` may stand for in a command, its environment and its files."""
     return {
         # The workdir absolute: a command runs in it, so a relative one would name a folder inside.
-        **task.data, "task_id": task.id, "prompt": task.prompt, "workdir": str(workdir.resolve()),
-        "model": endpoint.model, "base_url": endpoint.url, "openai_base_url": endpoint.openai_base_url,
+        **task.data,
+        "task_id": task.id,
+        "prompt": task.prompt,
+        "workdir": str(workdir.resolve()),
+        "model": endpoint.model,
+        "base_url": endpoint.url,
+        "openai_base_url": endpoint.openai_base_url,
         "api_key": endpoint.api_key,
-    }  # fmt: skip
+    }
 
 
 def command_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -161,14 +176,20 @@ class CommandAdapter:
         with open(log, "w+b") as err_file, open(out, "w+b") as out_file:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out_file, stderr=err_file,
+                    *argv,
+                    cwd=workdir,
+                    env=env,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out_file,
+                    stderr=err_file,
                     start_new_session=True,
-                )  # fmt: skip
+                )
             except OSError as exc:
                 return Outcome("failed", error=f"cannot start {argv[0]!r}: {exc}", log=str(log))
             try:
                 code = await asyncio.wait_for(proc.wait(), timeout)
-                status, error = ("ok", None) if code == 0 else ("failed", f"exited with code {code}")
+                status: HarnessStatus = "ok" if code == 0 else "failed"
+                error = None if code == 0 else f"exited with code {code}"
             except TimeoutError:
                 status, error, code = "timeout", f"killed after {timeout:g} s", None
                 with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
@@ -180,8 +201,9 @@ class CommandAdapter:
             output = _tail(out_file, OUTPUT_CHARS)
             if error and status == "failed":
                 error += f"; end of log: {_tail(err_file, 500)}"
-        return Outcome(status, output, error, code, str(log), time.monotonic() - start,
-                       _artifacts(workdir, {log.name, out.name}))  # fmt: skip
+        return Outcome(
+            status, output, error, code, str(log), time.monotonic() - start, _artifacts(workdir, {log.name, out.name})
+        )
 
 
 async def _guarded(work: Callable[[], Awaitable[Any]], timeout: float, workdir: Path) -> Outcome:
@@ -196,8 +218,9 @@ async def _guarded(work: Callable[[], Awaitable[Any]], timeout: float, workdir: 
         log = workdir / "agent.log"
         log.write_text(traceback.format_exc())
         return Outcome("failed", error=f"{type(exc).__name__}: {exc}", log=str(log), seconds=time.monotonic() - start)
-    return Outcome("ok", output=_answer_text(result), seconds=time.monotonic() - start,
-                   artifacts=_artifacts(workdir, set()))  # fmt: skip
+    return Outcome(
+        "ok", output=_answer_text(result), seconds=time.monotonic() - start, artifacts=_artifacts(workdir, set())
+    )
 
 
 def _answer_text(result: Any) -> str:
@@ -272,8 +295,12 @@ class LangChainAdapter:
         from langchain_openai import ChatOpenAI
         from pydantic import SecretStr
 
-        llm = ChatOpenAI(base_url=endpoint.openai_base_url, api_key=SecretStr(endpoint.api_key), model=endpoint.model,
-                         use_responses_api=self.use_responses_api)  # fmt: skip
+        llm = ChatOpenAI(
+            base_url=endpoint.openai_base_url,
+            api_key=SecretStr(endpoint.api_key),
+            model=endpoint.model,
+            use_responses_api=self.use_responses_api,
+        )
 
         def start() -> Awaitable[Any]:
             runnable = self.make_agent(llm, task)

@@ -98,9 +98,13 @@ class CommandReward(RewardSource):
     ) -> float:
         argv = [arg.format_map(template_values(task, endpoint, workdir)) for arg in self.command]
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=workdir, env=command_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *argv,
+            cwd=workdir,
+            env=command_env(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), self.timeout)
         except TimeoutError:
@@ -148,9 +152,14 @@ class JudgeReward(RewardSource):
         prompt = JUDGE_PROMPT.format(rubric=self.rubric, prompt=task.prompt, output=outcome.output[-8000:])
         key = os.environ.get(self.judge_api_key_env) if self.judge_api_key_env else None
         reply = await litellm().acompletion(
-            model=self.judge_model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=16,
-            api_base=self.judge_base_url, api_key=key, timeout=self.timeout,
-        )  # fmt: skip
+            model=self.judge_model,
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=16,
+            api_base=self.judge_base_url,
+            api_key=key,
+            timeout=self.timeout,
+        )
         text = reply.choices[0].message.content or ""
         found = re.search(r"-?\d+(?:\.\d+)?", text)
         if found is None:

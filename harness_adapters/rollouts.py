@@ -15,10 +15,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
+from proxy.admin_client import AdminClient
+from recorder.episodes import RewardRule
 
 
 @dataclass
@@ -27,21 +27,20 @@ class Rollouts:
     tasks: list[Task]
     episodes_per_task: int
     limit: asyncio.Semaphore  # episodes running at once (evaluation shares it)
-    failure_reward: float = 0.0  # what an episode whose harness crashed or timed out is scored
-    rewards: list[float] = field(default_factory=list)  # every scored episode's, in the order they finished
+    rule: RewardRule = field(default_factory=RewardRule)  # the run's: failures' score, advantages
+    rewards: list[float] = field(default_factory=list)  # every trained episode's, in the order they finished
     _order: list[Task] = field(default_factory=list)
 
-    async def group(self, admin: httpx.AsyncClient, task: Task) -> str:
+    async def group(self, admin: AdminClient, task: Task) -> str:
         """One GRPO group of episodes; its group id."""
         group = f"{self.runner.run}/{task.id}/{uuid.uuid4().hex[:8]}"
 
         async def one(n: int) -> None:
             async with self.limit:
                 result = await self.runner.episode(admin, task, n, group)
-            if result.reward is not None:
-                self.rewards.append(result.reward)
-            elif result.status == result.outcome.status and result.status in ("failed", "timeout"):
-                self.rewards.append(self.failure_reward)
+            reward = result.session.training_reward(self.rule).value
+            if reward is not None:
+                self.rewards.append(reward)
 
         await asyncio.gather(*(one(n) for n in range(self.episodes_per_task)))
         return group
@@ -51,11 +50,11 @@ class Rollouts:
             self._order = random.sample(self.tasks, len(self.tasks))
         return self._order.pop()
 
-    async def groups(self, admin: httpx.AsyncClient, n: int) -> list[str]:
+    async def groups(self, admin: AdminClient, n: int) -> list[str]:
         """`n` groups, made now."""
         return list(await asyncio.gather(*(self.group(admin, self.next_task()) for _ in range(n))))
 
-    async def fill(self, admin: httpx.AsyncClient, queue: asyncio.Queue[str], concurrency: int) -> None:
+    async def fill(self, admin: AdminClient, queue: asyncio.Queue[str], concurrency: int) -> None:
         """Keep groups coming into `queue` until cancelled (with the rollouts it started; their
         sessions stay unended); a finished group waits for room."""
         in_flight = asyncio.Semaphore(-(-concurrency // self.episodes_per_task) + 1)

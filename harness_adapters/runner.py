@@ -5,7 +5,8 @@ may be in this process or anywhere else.
 Each episode: create a session (`run`, `task_id`, `group_id` = run/task: the GRPO group) ->
 run the harness -> count its calls (none: reported as "no_calls", by name, and never scored:
 the harness ignored the proxy's address) -> score it (each reward source posted under its
-name) -> end the session with its status and outcome.
+name) -> end the session with its status and its typed outcome (recorder/episodes.py), through
+the typed admin client (proxy/admin_client.py).
 """
 
 from __future__ import annotations
@@ -18,32 +19,56 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from harness_adapters.episode import Adapter, Endpoint, Outcome
 from harness_adapters.rewards import RewardError, RewardSource, weighted
 from harness_adapters.tasks import Task
+from proxy.admin_client import AdminClient
+from recorder import SessionInfo
+from recorder.episodes import EpisodeOutcome, EpisodeStatus, RewardPart, Sampling
 
 
 @dataclass
 class EpisodeResult:
     task: Task
     episode: int
-    session_id: str
-    outcome: Outcome
-    calls: int
-    reward: float | None  # None: not scored (the episode failed)
-    status: str  # "ok", "failed", "timeout" or "no_calls"
-    error: str | None = None
+    session: SessionInfo  # as ended: its status, outcome, reward and calls
+    outcome: Outcome  # what the harness did
+
+    @property
+    def session_id(self) -> str:
+        return self.session.id
+
+    @property
+    def status(self) -> EpisodeStatus:
+        return self.session.status  # type: ignore[return-value]  # an episode's session ends with one
+
+    @property
+    def calls(self) -> int:
+        return self.session.calls
+
+    @property
+    def reward(self) -> float | None:
+        """The episode's score (None: not scored)."""
+        return None if self.session.outcome is None else self.session.outcome.reward
+
+    @property
+    def error(self) -> str | None:
+        return None if self.session.outcome is None else self.session.outcome.error
 
     def success(self, at: float) -> bool:
         return self.status == "ok" and self.reward is not None and self.reward >= at
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "task_id": self.task.id, "episode": self.episode, "session_id": self.session_id, "status": self.status,
-            "reward": self.reward, "calls": self.calls, "error": self.error, "outcome": self.outcome.as_json(),
-        }  # fmt: skip
+            "task_id": self.task.id,
+            "episode": self.episode,
+            "session_id": self.session_id,
+            "status": self.status,
+            "reward": self.reward,
+            "calls": self.calls,
+            "error": self.error,
+            "outcome": self.outcome.as_json(),
+        }
 
 
 @dataclass
@@ -57,14 +82,11 @@ class EpisodeRunner:
     timeout: float = 600.0
     concurrency: int = 4
     admin_token: str | None = None
-    sampling: dict[str, Any] | None = None  # set by the proxy on every call, whatever the harness asks
+    sampling: Sampling | None = None  # set by the proxy on every call, whatever the harness asks
 
-    def admin(self) -> httpx.AsyncClient:
+    def admin(self) -> AdminClient:
         """A client of the proxy's admin API (use it in `async with`)."""
-        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-        # Connections idle for less than any server keeps them (uvicorn's default: 5 s).
-        limits = httpx.Limits(keepalive_expiry=2.0)
-        return httpx.AsyncClient(base_url=self.proxy_url, headers=headers, timeout=60, limits=limits)
+        return AdminClient(self.proxy_url, self.admin_token)
 
     async def run_all(
         self, tasks: list[Task], episodes_per_task: int, done: Callable[[EpisodeResult], None] | None = None
@@ -83,45 +105,62 @@ class EpisodeRunner:
             work = [one(task, n) for task in tasks for n in range(episodes_per_task)]
             return list(await asyncio.gather(*work))
 
-    async def episode(self, admin: httpx.AsyncClient, task: Task, n: int, group: str | None = None) -> EpisodeResult:
+    async def episode(self, admin: AdminClient, task: Task, n: int, group: str | None = None) -> EpisodeResult:
         """One episode, in the GRPO group `group` (default: run/task)."""
-        group = group or f"{self.run}/{task.id}"
-        asked = {"run": self.run, "task_id": task.id, "group_id": group, "metadata": {"episode": n},
-                 "sampling": self.sampling}  # fmt: skip
-        created = await admin.post("/admin/sessions", json=asked)
-        created.raise_for_status()
-        session = created.json()
-        workdir = self.workdir / session["id"]
+        session = await admin.create_session(
+            run=self.run,
+            task_id=task.id,
+            group_id=group or f"{self.run}/{task.id}",
+            metadata={"episode": n},
+            sampling=self.sampling,
+        )
+        workdir = self.workdir / session.id
         workdir.mkdir(parents=True, exist_ok=True)
-        endpoint = Endpoint(self.proxy_url, session["key"], self.model, session["id"])
+        endpoint = Endpoint(self.proxy_url, session.key, self.model, session.id)
         outcome = await self.adapter.run(task, endpoint, workdir, self.timeout)
-        info = (await admin.get(f"/admin/sessions/{session['id']}")).json()
-        status, error, reward = outcome.status, outcome.error, None
-        if info["calls"] == 0:
+        info = await admin.session(session.id)
+        status: EpisodeStatus = outcome.status
+        error, reward, parts = outcome.error, None, tuple[RewardPart, ...]()
+        if info.calls == 0:
             status = "no_calls"
             error = "the harness made no call through the proxy (a wrong base URL, or a variable it ignores?)" + (
-                f"; it {outcome.status}: {outcome.error}" if outcome.error else "")  # fmt: skip
+                f"; it {outcome.status}: {outcome.error}" if outcome.error else ""
+            )
         elif status == "ok":
             try:
-                reward = await self.score(admin, session["id"], task, outcome, endpoint, workdir, info["reward"])
+                parts = await self.score(admin, session.id, task, outcome, endpoint, workdir, info.reward)
+                reward = sum(part.value for part in parts)
             except RewardError as exc:
                 status, error = "failed", str(exc)
-        ended = {"status": status, "outcome": {**outcome.as_json(), "error": error, "reward": reward}}
-        await admin.post(f"/admin/sessions/{session['id']}/end", json=ended)
-        return EpisodeResult(task, n, session["id"], outcome, info["calls"], reward, status, error)
+        record = EpisodeOutcome(
+            harness=outcome.status,
+            error=error,
+            output=outcome.output,
+            exit_code=outcome.exit_code,
+            log=outcome.log,
+            seconds=outcome.seconds,
+            reward=reward,
+            parts=parts,
+        )
+        ended = await admin.end_session(session.id, status, record)
+        return EpisodeResult(task, n, ended, outcome)
 
     async def score(
-        self, admin: httpx.AsyncClient, session_id: str, task: Task, outcome: Outcome, endpoint: Endpoint,
-        workdir: Path, posted: float | None,
-    ) -> float:  # fmt: skip
+        self,
+        admin: AdminClient,
+        session_id: str,
+        task: Task,
+        outcome: Outcome,
+        endpoint: Endpoint,
+        workdir: Path,
+        posted: float | None,
+    ) -> tuple[RewardPart, ...]:
         """Score with every source first (nothing is posted if one fails), then post each part."""
         parts = [(source, await weighted(source, task, outcome, endpoint, workdir, posted)) for source in self.rewards]
         for i, (source, value) in enumerate(parts):
             if not source.stored:  # its id: posted again (a retry), it still counts once
-                reward = {"value": value, "source": source.type, "id": f"runner-{i}"}
-                answer = await admin.post(f"/admin/sessions/{session_id}/reward", json=reward)
-                answer.raise_for_status()
-        return sum(value for _, value in parts)
+                await admin.add_reward(session_id, value, source.type, f"runner-{i}")
+        return tuple(RewardPart(source=source.type, value=value) for source, value in parts)
 
 
 def summary(results: list[EpisodeResult], success_at: float) -> list[dict[str, Any]]:
@@ -130,12 +169,17 @@ def summary(results: list[EpisodeResult], success_at: float) -> list[dict[str, A
     for task_id in dict.fromkeys(r.task.id for r in results):
         mine = [r for r in results if r.task.id == task_id]
         rewards = [r.reward for r in mine if r.reward is not None]
-        rows.append({
-            "task": task_id, "episodes": len(mine), "success": sum(r.success(success_at) for r in mine),
-            "mean_reward": statistics.fmean(rewards) if rewards else None,
-            "failed": sum(r.status == "failed" for r in mine), "timeout": sum(r.status == "timeout" for r in mine),
-            "no_calls": sum(r.status == "no_calls" for r in mine),
-        })  # fmt: skip
+        rows.append(
+            {
+                "task": task_id,
+                "episodes": len(mine),
+                "success": sum(r.success(success_at) for r in mine),
+                "mean_reward": statistics.fmean(rewards) if rewards else None,
+                "failed": sum(r.status == "failed" for r in mine),
+                "timeout": sum(r.status == "timeout" for r in mine),
+                "no_calls": sum(r.status == "no_calls" for r in mine),
+            }
+        )
     return rows
 
 

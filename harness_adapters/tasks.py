@@ -87,6 +87,9 @@ def _from_dataset(source: str) -> list[Task]:
         name, _, split = source.partition(":")
         data = datasets.load_dataset(name, split=split or "train")
     if isinstance(data, datasets.DatasetDict):
-        return [task_from_row({"split": name, **row}, f"{name} row {i}") for name in data for i, row in
-                enumerate(data[name])]  # fmt: skip
+        return [
+            task_from_row({"split": name, **row}, f"{name} row {i}")
+            for name in data
+            for i, row in enumerate(data[name])
+        ]
     return [task_from_row(row, f"row {i}") for i, row in enumerate(data)]

@@ -11,17 +11,18 @@ import ipaddress
 import math
 import secrets
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
-from pydantic import AfterValidator, BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, field_validator
 
 from proxy.errors import NotFound, ProxyError, Unauthorized
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from recorder import SessionInfo
+from recorder.episodes import EndStatus, EpisodeOutcome, Sampling
 from recorder.store import SessionConflict
 
 
@@ -38,20 +39,7 @@ Label = Annotated[str, Field(max_length=256, pattern=r"^[^\x00]*$")]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_storable)]
 
 
-class Sampling(BaseModel, extra="forbid"):
-    """Sampling settings the proxy sets on every call of a session, whatever the harness asks
-    (an evaluation at temperature 0 through an unchanged harness, say)."""
-
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
-    # Set only on calls that offer tools: "required" makes a model that never calls one (a small
-    # model in Claude Code or Codex) call one on every turn, its arguments sampled under a grammar.
-    tool_choice: Literal["auto", "required", "none"] | None = None
-
-
-class SessionCreate(BaseModel):
+class SessionCreate(BaseModel, extra="forbid"):
     id: Label | None = None
     run: Label | None = None
     task_id: Label | None = None
@@ -119,8 +107,10 @@ def check_admin(request: Request, settings: Settings, basic: bool = False) -> No
         token = ""
     if not token or not settings.admin_token:
         why = "a forwarded request or one from another machine" if settings.admin_open else "this"
-        raise Unauthorized(f"{why} needs the admin token (--admin-token): 'Authorization: Bearer <token>'"
-                           + (", or the token as the password of basic auth" if basic else ""))  # fmt: skip
+        raise Unauthorized(
+            f"{why} needs the admin token (--admin-token): 'Authorization: Bearer <token>'"
+            + (", or the token as the password of basic auth" if basic else "")
+        )
     # As bytes: a header is read as latin-1, and compare_digest refuses non-ASCII text (a 500).
     if not secrets.compare_digest(token.strip().encode("latin-1"), settings.admin_token.encode()):
         raise Unauthorized("wrong admin token")
@@ -135,19 +125,12 @@ def _loopback(host: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+SESSION = TypeAdapter(SessionInfo)
+
+
 def session_json(info: SessionInfo, request: Request | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": info.id,
-        "run": info.run,
-        "task_id": info.task_id,
-        "group_id": info.group_id,
-        "metadata": info.metadata,
-        "status": info.status,
-        "created_at": info.created_at.isoformat() if info.created_at else None,
-        "ended_at": info.ended_at.isoformat() if info.ended_at else None,
-        "reward": info.reward,
-        "calls": info.calls,
-    }
+    """A session as the admin API shows it: with its key and base URL only to its creator."""
+    out: dict[str, Any] = SESSION.dump_python(info, mode="json", exclude={"key"})
     if request is not None:
         out["key"] = info.key
         out["base_url"] = f"{str(request.base_url).rstrip('/')}/v1"
@@ -166,7 +149,8 @@ async def create_session(body: SessionCreate, request: Request) -> dict[str, Any
         run=body.run,
         task_id=body.task_id,
         group_id=body.group_id,
-        metadata=body.metadata | ({"sampling": body.sampling.model_dump(exclude_none=True)} if body.sampling else {}),
+        metadata=body.metadata,
+        sampling=body.sampling,
     )
     try:
         created = await _state(request).store.create_session(info)
@@ -202,17 +186,16 @@ async def post_reward(session_id: str, body: RewardIn, request: Request) -> dict
     return session_json(await _existing(request, session_id))
 
 
-class SessionEnd(BaseModel):
-    status: str = Field("ended", max_length=16, pattern=r"^[a-z_]+$")
-    outcome: JsonObject | None = Field(None, description="how the episode went; kept in the metadata")
+class SessionEnd(BaseModel, extra="forbid"):
+    status: EndStatus = "ended"
+    outcome: EpisodeOutcome | None = Field(None, description="how the episode went (harness runners)")
 
 
 @admin.post("/sessions/{session_id}/end")
 async def end_session(session_id: str, request: Request, body: SessionEnd | None = None) -> dict[str, Any]:
-    info = await _existing(request, session_id)
+    await _existing(request, session_id)
     body = body or SessionEnd()
-    metadata = None if body.outcome is None else {**info.metadata, "outcome": body.outcome}
-    await _state(request).store.end_session(session_id, body.status, metadata)
+    await _state(request).store.end_session(session_id, body.status, body.outcome)
     return session_json(await _existing(request, session_id))
 
 

@@ -173,8 +173,12 @@ class _MessageEvents:
                 i, function = call.get("index", 0), call.get("function") or {}
                 if i not in self.arguments:
                     name = function.get("name") or ""
-                    block: dict[str, Any] = {"type": "tool_use", "id": call.get("id") or f"toolu_{i}",
-                             "name": self.tool_map.get(name, name), "input": {}}  # fmt: skip
+                    block: dict[str, Any] = {
+                        "type": "tool_use",
+                        "id": call.get("id") or f"toolu_{i}",
+                        "name": self.tool_map.get(name, name),
+                        "input": {},
+                    }
                     out += self._block("tool", block, new=True)
                     self.arguments[i], self.tool = [], i
                 self.arguments[i].append(function.get("arguments") or "")
@@ -189,8 +193,10 @@ class _MessageEvents:
         stop = STOP_REASONS.get(self.finish or "stop", "end_turn")
         if self.arguments and stop == "end_turn":  # as in to_message: vLLM says "stop" after a forced call
             stop = "tool_use"
-        usage = {"input_tokens": self.usage.get("prompt_tokens", 0),
-                 "output_tokens": self.usage.get("completion_tokens", 0)}  # fmt: skip
+        usage = {
+            "input_tokens": self.usage.get("prompt_tokens", 0),
+            "output_tokens": self.usage.get("completion_tokens", 0),
+        }
         out.append(_sse("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": usage}))
         return [*out, _sse("message_stop", {})]
 
@@ -198,9 +204,16 @@ class _MessageEvents:
         if self.started:
             return []
         self.started = True
-        message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "content": [],
-                                   "model": self.model, "stop_reason": None, "stop_sequence": None,
-                                   "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
+        message: dict[str, Any] = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
         return [_sse("message_start", {"message": message})]
 
     def _block(self, kind: str, block: dict[str, Any], new: bool = False) -> list[bytes]:
@@ -244,9 +257,14 @@ def _relay(
         return b"event: error\ndata: " + orjson.dumps(anthropic_error_body(502, message)) + b"\n\n"
 
     return relay(
-        call, resp, capture, translated(), held=lambda event: event.startswith(b"event: message_stop\n"),
-        answer=lambda: {**to_message(capture.assembled(True), tool_map), "id": events.id}, failed=failed,
-    )  # fmt: skip
+        call,
+        resp,
+        capture,
+        translated(),
+        held=lambda event: event.startswith(b"event: message_stop\n"),
+        answer=lambda: {**to_message(capture.assembled(True), tool_map), "id": events.id},
+        failed=failed,
+    )
 
 
 @router.post("/messages/count_tokens", openapi_extra=openapi.MESSAGES)

@@ -47,10 +47,16 @@ def serve(
     if upstream and model:
         raise typer.BadParameter("give --upstream or --model, not both")
     settings = _settings(
-        upstream=upstream, model=model, db=db, host=host, port=port, admin_token=admin_token,
-        max_model_len=max_model_len, create_sessions=False if reject_unknown_sessions else None,
+        upstream=upstream,
+        model=model,
+        db=db,
+        host=host,
+        port=port,
+        admin_token=admin_token,
+        max_model_len=max_model_len,
+        create_sessions=False if reject_unknown_sessions else None,
         messages_mode=messages_mode or None,
-    )  # fmt: skip
+    )
     if settings.host not in LOOPBACK and not settings.admin_token:
         raise typer.BadParameter("binding off loopback needs --admin-token (or RLP_ADMIN_TOKEN)")
     from proxy.server import run

@@ -100,9 +100,15 @@ def json_response(data: object, status: int = 200, headers: Mapping[str, str] | 
     return Response(orjson.dumps(data), status, headers=headers, media_type="application/json")
 
 
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-                   429: "rate_limit_error"}  # fmt: skip
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:

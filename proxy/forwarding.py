@@ -91,11 +91,26 @@ NUMBER = (int, float)
 # The types of the fields that the translating routes (Messages, Responses) hand to litellm's
 # translators, which assume them: any other type is a 400 here rather than a crash there.
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (str,), "stream": (bool,), "tools": (list,), "tool_choice": (str, dict), "metadata": (dict,),
-    "temperature": NUMBER, "top_p": NUMBER, "top_k": (int,), "max_tokens": (int,), "max_output_tokens": (int,),
-    "instructions": (str,), "system": (str, list), "stop_sequences": (list,), "parallel_tool_calls": (bool,),
-    "previous_response_id": (str,), "text": (dict,), "reasoning": (dict,), "thinking": (dict,), "user": (str,),
-}  # fmt: skip
+    "model": (str,),
+    "stream": (bool,),
+    "tools": (list,),
+    "tool_choice": (str, dict),
+    "metadata": (dict,),
+    "temperature": NUMBER,
+    "top_p": NUMBER,
+    "top_k": (int,),
+    "max_tokens": (int,),
+    "max_output_tokens": (int,),
+    "instructions": (str,),
+    "system": (str, list),
+    "stop_sequences": (list,),
+    "parallel_tool_calls": (bool,),
+    "previous_response_id": (str,),
+    "text": (dict,),
+    "reasoning": (dict,),
+    "thinking": (dict,),
+    "user": (str,),
+}
 
 
 def check_types(body: dict[str, Any]) -> None:
@@ -105,8 +120,17 @@ def check_types(body: dict[str, Any]) -> None:
         if value is None:
             continue
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            kinds = " or ".join({str: "a string", bool: "a boolean", list: "a list", dict: "an object",
-                                 int: "an integer", float: "a number"}[t] for t in types)  # fmt: skip
+            kinds = " or ".join(
+                {
+                    str: "a string",
+                    bool: "a boolean",
+                    list: "a list",
+                    dict: "an object",
+                    int: "an integer",
+                    float: "a number",
+                }[t]
+                for t in types
+            )
             raise BadRequest(f"'{name}' must be {kinds}", param=name)
 
 
@@ -332,7 +356,8 @@ async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: Sessi
     client sent it); return the changes made."""
     settings = state.settings
     rewrites: dict[str, Any] = {}
-    for name, value in ((session.metadata.get("sampling") if session else None) or {}).items():
+    forced = session.sampling.model_dump(exclude_none=True) if session and session.sampling else {}
+    for name, value in forced.items():
         if body.get(name) != value and (name != "tool_choice" or body.get("tools")):
             rewrites[name] = [body.get(name), value]
             body[name] = value

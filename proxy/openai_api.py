@@ -81,8 +81,9 @@ def validate(body: dict[str, Any], api: Api, max_choices: int) -> None:
     if body.get("echo"):  # on chat too (a vLLM extension): the echoed text comes without ids
         raise BadRequest("'echo' is not supported: the prompt's own tokens are in the request", param="echo")
     if body.get("include_reasoning") is False:  # vLLM then leaves the token ids out of its stream
-        raise BadRequest("'include_reasoning': false is not supported: the record needs every token's id",
-                         param="include_reasoning")  # fmt: skip
+        raise BadRequest(
+            "'include_reasoning': false is not supported: the record needs every token's id", param="include_reasoning"
+        )
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     # A call's recorded size is bounded by n x the completion cap, so n has a limit too.
@@ -145,5 +146,13 @@ def _relay(
     def failed(message: str, kind: str, _answer: Any) -> bytes:
         return b"data: " + orjson.dumps(error_body(message, kind, 502 if kind == "upstream_error" else None)) + b"\n\n"
 
-    return relay(call, resp, capture, events(), held=lambda _: False, answer=lambda: capture.assembled(api.chat),
-                 failed=failed, done=b"data: [DONE]\n\n")  # fmt: skip
+    return relay(
+        call,
+        resp,
+        capture,
+        events(),
+        held=lambda _: False,
+        answer=lambda: capture.assembled(api.chat),
+        failed=failed,
+        done=b"data: [DONE]\n\n",
+    )

@@ -235,13 +235,25 @@ class _ResponseEvents:
 
     def start(self) -> list[bytes]:
         body = self.body
-        response = {"id": self.response_id, "object": "response", "created_at": int(time.time()),
-                    "status": "in_progress", "model": body["model"], "output": [], "error": None,
-                    "incomplete_details": None, "metadata": body.get("metadata") or {},
-                    "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                    "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-                    "truncation": None, "usage": None, "user": None, "store": True,
-                    **{name: body.get(name) for name in ECHOED}}  # fmt: skip
+        response = {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "in_progress",
+            "model": body["model"],
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "metadata": body.get("metadata") or {},
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "truncation": None,
+            "usage": None,
+            "user": None,
+            "store": True,
+            **{name: body.get(name) for name in ECHOED},
+        }
         return [self.event(kind, response=response) for kind in ("response.created", "response.in_progress")]
 
     def add(self, chunk: dict[str, Any]) -> list[bytes]:
@@ -260,8 +272,13 @@ class _ResponseEvents:
                 i, function = call.get("index", 0), call.get("function") or {}
                 if i not in self.calls:
                     call_id = call.get("id") or f"call_{i}"
-                    item = {"id": f"fc_{call_id}", "type": "function_call", "call_id": call_id,
-                            "name": function.get("name") or "", "arguments": ""}  # fmt: skip
+                    item = {
+                        "id": f"fc_{call_id}",
+                        "type": "function_call",
+                        "call_id": call_id,
+                        "name": function.get("name") or "",
+                        "arguments": "",
+                    }
                     out += self._item("function_call", item, new=True)
                     self.calls[i] = item
                 if function.get("arguments"):
@@ -314,14 +331,18 @@ class _ResponseEvents:
             text = item.pop("text", "")
             part = {"type": "output_text", "text": text, "annotations": []}
             item["content"] = [part]
-            out = [self.event("response.output_text.done", **at, content_index=0, text=text),
-                   self.event("response.content_part.done", **at, content_index=0, part=part)]  # fmt: skip
+            out = [
+                self.event("response.output_text.done", **at, content_index=0, text=text),
+                self.event("response.content_part.done", **at, content_index=0, part=part),
+            ]
         elif item["type"] == "reasoning":
             text = item.pop("text", "")
             part = {"type": "summary_text", "text": text}
             item["summary"] = [part]
-            out = [self.event("response.reasoning_summary_text.done", **at, summary_index=0, text=text),
-                   self.event("response.reasoning_summary_part.done", **at, summary_index=0, part=part)]  # fmt: skip
+            out = [
+                self.event("response.reasoning_summary_text.done", **at, summary_index=0, text=text),
+                self.event("response.reasoning_summary_part.done", **at, summary_index=0, part=part),
+            ]
         else:
             item.pop("text", None)
             out = [self.event("response.function_call_arguments.done", **at, arguments=item["arguments"])]
@@ -352,14 +373,22 @@ def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator
         return final[0] if final else to_response(capture.assembled(True), body, response_id)
 
     def failed(message: str, kind: str, answer: dict[str, Any] | None) -> bytes:
-        response = {**(answer or {"id": response_id, "object": "response", "output": []}), "status": "failed",
-                    "error": {"code": "server_error", "message": message}}  # fmt: skip
+        response = {
+            **(answer or {"id": response_id, "object": "response", "output": []}),
+            "status": "failed",
+            "error": {"code": "server_error", "message": message},
+        }
         return _event({"type": "response.failed", "response": response, "sequence_number": events.sequence})
 
     return relay(
-        call, resp, capture, translated(), held=lambda event: event.startswith(FINAL_EVENTS), answer=whole,
+        call,
+        resp,
+        capture,
+        translated(),
+        held=lambda event: event.startswith(FINAL_EVENTS),
+        answer=whole,
         failed=failed,
-    )  # fmt: skip
+    )
 
 
 @router.get("/responses/{response_id}")

@@ -14,8 +14,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from proxy.app import create_app
+from proxy.model import resolve_model
 from proxy.settings import Settings
-from proxy.vllm import BackendError, VllmServer, free_port, resolve_model
+from proxy.vllm import BackendError, VllmServer, free_port
 from recorder.schema import shown_url
 
 log = logging.getLogger("rl_proxy.server")

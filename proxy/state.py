@@ -13,6 +13,7 @@ from proxy.settings import Settings
 from proxy.threads import Threads
 from proxy.upstream import Upstreams
 from recorder import CallRecord, SessionInfo
+from recorder.episodes import EndStatus, EpisodeOutcome
 
 
 class Recorder(Protocol):
@@ -34,7 +35,7 @@ class Recorder(Protocol):
         self, session_id: str, value: float, source: str, call_seq: int | None = None, reward_id: str | None = None
     ) -> Awaitable[None]: ...
     def end_session(
-        self, session_id: str, status: str = "ended", metadata: dict[str, Any] | None = None
+        self, session_id: str, status: EndStatus = "ended", outcome: EpisodeOutcome | None = None
     ) -> Awaitable[None]: ...
     def stored_response(
         self, session_id: str, response_id: str

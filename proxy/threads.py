@@ -207,8 +207,11 @@ class Threads:
             if isinstance(history, str):
                 return self._unrendered(upstream, history)
             if history.count(eot) != n:
-                return Plan(None, f"the template renders the conversation with {history.count(eot)} end-of-turn "
-                                  f"tokens up to the echoed answer, its tokens hold {n}")  # fmt: skip
+                return Plan(
+                    None,
+                    f"the template renders the conversation with {history.count(eot)} end-of-turn "
+                    f"tokens up to the echoed answer, its tokens hold {n}",
+                )
         ends = [i for i, t in enumerate(rendered) if t == eot]
         if len(ends) <= n - 1 or ends[n - 1] == len(rendered) - 1:
             return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
@@ -229,8 +232,11 @@ async def render(upstream: Upstream, body: dict[str, Any], generation: bool = Tr
     fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template") if body.get(k) is not None}
     final = generation and bool(body.get("continue_final_message"))
     prompt = generation and not final and body.get("add_generation_prompt") is not False
-    fields |= {"chat_template_kwargs": template_kwargs(body), "continue_final_message": final,
-               "add_generation_prompt": prompt}  # fmt: skip
+    fields |= {
+        "chat_template_kwargs": template_kwargs(body),
+        "continue_final_message": final,
+        "add_generation_prompt": prompt,
+    }
     try:
         async with asyncio.timeout(RENDER_TIMEOUT):
             resp = await upstream.send("POST", "/tokenize", fields, at_root=True)

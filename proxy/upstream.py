@@ -236,8 +236,9 @@ class Upstreams:
 
     @classmethod
     def from_urls(cls, urls: str, *, timeout: float, connect_timeout: float, api_key: str | None) -> Upstreams:
-        return cls([Upstream(url, timeout=timeout, connect_timeout=connect_timeout, api_key=api_key)
-                    for url in cls.urls(urls)])  # fmt: skip
+        return cls(
+            [Upstream(url, timeout=timeout, connect_timeout=connect_timeout, api_key=api_key) for url in cls.urls(urls)]
+        )
 
     def live(self) -> list[Upstream]:
         """The members in rotation; all of them when none is (a call then fails on its own)."""

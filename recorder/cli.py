@@ -39,10 +39,15 @@ def _session_table(sessions: list[SessionInfo]) -> Table:
     table = Table("id", "run", "task", "group", "status", "calls", "reward", "created")
     for s in sessions:
         table.add_row(
-            s.id, s.run or "", s.task_id or "", s.group_id or "", s.status, str(s.calls),
+            s.id,
+            s.run or "",
+            s.task_id or "",
+            s.group_id or "",
+            s.status,
+            str(s.calls),
             "" if s.reward is None else f"{s.reward:g}",
             s.created_at.isoformat(timespec="seconds") if s.created_at else "",
-        )  # fmt: skip
+        )
     return table
 
 
@@ -94,10 +99,16 @@ def sessions_show(session_id: str, db: DbOption = None, tokenizer: TokenizerOpti
     for c in calls:
         first = c.completions[0] if c.completions else None
         table.add_row(
-            str(c.seq), c.api, "yes" if c.stream else "", "ok" if c.ok else f"failed {c.http_status}",
-            str(len(c.prompt_token_ids)), str(sum(len(x.token_ids) for x in c.completions)),
-            (first.finish_reason or "") if first else "", f"{c.latency_ms:.0f}", c.policy_version or "",
-        )  # fmt: skip
+            str(c.seq),
+            c.api,
+            "yes" if c.stream else "",
+            "ok" if c.ok else f"failed {c.http_status}",
+            str(len(c.prompt_token_ids)),
+            str(sum(len(x.token_ids) for x in c.completions)),
+            (first.finish_reason or "") if first else "",
+            f"{c.latency_ms:.0f}",
+            c.policy_version or "",
+        )
     console.print(table)
     for c in calls:
         if c.rewrites:
@@ -163,9 +174,14 @@ def export(
         with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
             task_id = progress.add_task("sessions", total=None)
             return await run_export(
-                store, out, kind=kind, fmt=fmt, where=where, merge=merge,
+                store,
+                out,
+                kind=kind,
+                fmt=fmt,
+                where=where,
+                merge=merge,
                 on_session=lambda total: progress.update(task_id, total=total, advance=1),
-            )  # fmt: skip
+            )
 
     count = _with_store(db, work)
     console.print(f"wrote {count} {kind} rows to {out}")

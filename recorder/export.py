@@ -152,40 +152,75 @@ def _arrow_schema(kind: str) -> Any:
     if kind == "rl":
         return pa.schema(
             [
-                ("session_id", pa.string()), ("chain", pa.int32()), ("run", pa.string()),
-                ("task_id", pa.string()), ("group_id", pa.string()), ("reward", pa.float64()),
-                ("truncated", pa.bool_()), ("input_ids", pa.list_(pa.int32())),
-                ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
-                ("calls", pa.list_(pa.int32())), ("span_starts", pa.list_(pa.int32())),
-                ("span_ends", pa.list_(pa.int32())), ("policy_versions", pa.list_(pa.string())),
+                ("session_id", pa.string()),
+                ("chain", pa.int32()),
+                ("run", pa.string()),
+                ("task_id", pa.string()),
+                ("group_id", pa.string()),
+                ("reward", pa.float64()),
+                ("truncated", pa.bool_()),
+                ("input_ids", pa.list_(pa.int32())),
+                ("loss_mask", pa.list_(pa.int8())),
+                ("logprobs", pa.list_(pa.float32())),
+                ("calls", pa.list_(pa.int32())),
+                ("span_starts", pa.list_(pa.int32())),
+                ("span_ends", pa.list_(pa.int32())),
+                ("policy_versions", pa.list_(pa.string())),
                 ("span_rewards", pa.list_(pa.float64())),
             ]
-        )  # fmt: skip
+        )
     if kind == "sft":
         function = pa.struct([("name", pa.string()), ("arguments", pa.string())])
         tool_call = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", function)])
         message = pa.struct(
-            [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(tool_call)),
-             ("tool_call_id", pa.string())]
-        )  # fmt: skip
+            [
+                ("role", pa.string()),
+                ("content", pa.string()),
+                ("tool_calls", pa.list_(tool_call)),
+                ("tool_call_id", pa.string()),
+            ]
+        )
         return pa.schema(
-            [("messages", pa.list_(message)), ("session_id", pa.string()), ("task_id", pa.string()),
-             ("reward", pa.float64())]
-        )  # fmt: skip
+            [
+                ("messages", pa.list_(message)),
+                ("session_id", pa.string()),
+                ("task_id", pa.string()),
+                ("reward", pa.float64()),
+            ]
+        )
     # calls: every field of a CallRecord (bodies as JSON strings), the first choice's at the top
     text, ids, floats = pa.string(), pa.list_(pa.int32()), pa.list_(pa.float32())
     completion = pa.struct([("index", pa.int32()), ("token_ids", ids), ("logprobs", floats), ("finish_reason", text)])
     return pa.schema(
         [
-            ("session_id", text), ("seq", pa.int32()), ("api", text), ("model", text), ("upstream", text),
-            ("stream", pa.bool_()), ("request", text), ("response", text), ("ok", pa.bool_()),
-            ("http_status", pa.int32()), ("error", text), ("prompt_token_ids", ids), ("policy_version", text),
-            ("policy_version_end", text), ("started_at", text), ("finished_at", text), ("rewrites", text),
-            ("response_id", text), ("token_in", pa.bool_()), ("thread_start", text), ("call_id", text),
-            ("latency_ms", pa.float64()), ("completion_token_ids", ids), ("logprobs", floats),
-            ("finish_reason", text), ("completions", pa.list_(completion)),
+            ("session_id", text),
+            ("seq", pa.int32()),
+            ("api", text),
+            ("model", text),
+            ("upstream", text),
+            ("stream", pa.bool_()),
+            ("request", text),
+            ("response", text),
+            ("ok", pa.bool_()),
+            ("http_status", pa.int32()),
+            ("error", text),
+            ("prompt_token_ids", ids),
+            ("policy_version", text),
+            ("policy_version_end", text),
+            ("started_at", text),
+            ("finished_at", text),
+            ("rewrites", text),
+            ("response_id", text),
+            ("token_in", pa.bool_()),
+            ("thread_start", text),
+            ("call_id", text),
+            ("latency_ms", pa.float64()),
+            ("completion_token_ids", ids),
+            ("logprobs", floats),
+            ("finish_reason", text),
+            ("completions", pa.list_(completion)),
         ]
-    )  # fmt: skip
+    )
 
 
 def _flatten_bodies(row: dict[str, Any]) -> dict[str, Any]:

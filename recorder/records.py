@@ -1,4 +1,5 @@
-"""The data that crosses packages: a recorded call and a session.
+"""The data that crosses packages: a recorded call and a session (an episode's own fields are
+typed in recorder/episodes.py).
 
 These frozen dataclasses are the contract between the proxy (which fills them), the store
 (which persists them) and the trainer and exporters (which read them back).
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 from uuid import uuid4
+
+from recorder.episodes import EpisodeOutcome, EpisodeReward, RewardRule, Sampling, SessionStatus, episode_reward
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,12 @@ class CallRecord:
 
 @dataclass(frozen=True)
 class SessionInfo:
-    """A session: one agent episode. Its key is what the harness sends as its API key."""
+    """A session: one agent episode. Its key is what the harness sends as its API key.
+
+    `metadata` is the client's (key labels, the admin API's `metadata`): nothing the proxy,
+    recorder or trainer reads is kept there. `outcome` and `sampling` are written only through
+    the admin API. `reward` (the sum posted for the session), `calls` and `upstream_failures`
+    (calls answered 5xx) are counted by the store when it reads sessions back."""
 
     id: str
     key: str
@@ -88,8 +96,15 @@ class SessionInfo:
     task_id: str | None = None
     group_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    status: str = "active"
+    status: SessionStatus = "active"
     created_at: datetime | None = None
     ended_at: datetime | None = None
     reward: float | None = None
     calls: int = 0
+    outcome: EpisodeOutcome | None = None
+    sampling: Sampling | None = None
+    upstream_failures: int = 0
+
+    def training_reward(self, rule: RewardRule) -> EpisodeReward:
+        """The reward this episode trains with under `rule` (recorder/episodes.py)."""
+        return episode_reward(self.status, self.outcome, self.reward, self.upstream_failures, rule)

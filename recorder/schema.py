@@ -10,6 +10,7 @@ an older one is brought up to date by the statements in `MIGRATIONS` when it is 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from array import array
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run, or, where SQL cannot
 # say it (hashing), a function given the connection.
@@ -46,6 +47,11 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         "CREATE INDEX IF NOT EXISTS ix_sessions_created_at ON sessions (created_at)",
         "CREATE INDEX IF NOT EXISTS ix_sessions_status ON sessions (status)",
     ],
+    7: [  # an episode's outcome and forced sampling in columns of their own, out of the client's metadata
+        "ALTER TABLE sessions ADD COLUMN outcome JSON",
+        "ALTER TABLE sessions ADD COLUMN sampling JSON",
+        lambda conn: _episode_columns(conn),
+    ],
 }
 
 
@@ -59,6 +65,27 @@ def _hash_session_keys(conn: Connection) -> None:
     for session_id, key in conn.execute(text("SELECT id, key FROM sessions")).all():
         if not key.startswith("sha256:"):
             conn.execute(text("UPDATE sessions SET key = :k WHERE id = :i"), {"k": key_digest(key), "i": session_id})
+
+
+def _episode_columns(conn: Connection) -> None:
+    """Move what version 7 kept in a session's metadata (the runner's `outcome`, the admin API's
+    `sampling`) into their columns. Only values of the shape those wrote move: a client's key
+    label of the same name stays in the metadata, where nothing reads it."""
+    rows = conn.execute(text("SELECT id, metadata FROM sessions")).all()
+    for session_id, raw in rows:
+        meta = json.loads(raw) if isinstance(raw, str) else dict(raw or {})
+        outcome, sampling = meta.get("outcome"), meta.get("sampling")
+        values: dict[str, Any] = {}
+        if isinstance(outcome, dict) and outcome.get("status") in ("ok", "failed", "timeout"):
+            keep = ("error", "output", "exit_code", "log", "seconds", "reward")
+            values["outcome"] = {"harness": outcome["status"], **{k: outcome[k] for k in keep if k in outcome}}
+        if isinstance(sampling, dict):
+            values["sampling"] = sampling
+        if values:
+            rest = {k: v for k, v in meta.items() if k not in values}
+            values = {k: json.dumps(v) for k, v in {**values, "metadata": rest}.items()}
+            sets = ", ".join(f"{k} = :{k}" for k in values)
+            conn.execute(text(f"UPDATE sessions SET {sets} WHERE id = :id"), {**values, "id": session_id})
 
 
 def pack(values: list[int] | list[float], typecode: str) -> bytes:
@@ -116,6 +143,8 @@ class SessionRow(Base):
     status: Mapped[str] = mapped_column(String(16), default="active", index=True)
     created_at: Mapped[datetime] = mapped_column(index=True)
     ended_at: Mapped[datetime | None]
+    outcome: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # episodes.Outcome, from the admin API only
+    sampling: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # episodes.Sampling, likewise
 
 
 class CallRow(Base):
@@ -165,6 +194,28 @@ class RewardRow(Base):
     call_seq: Mapped[int | None]  # a reward for one call of the session; None: for the session
     created_at: Mapped[datetime]
     reward_id: Mapped[str | None] = mapped_column(String(64))  # unique in its session; None: before version 6
+
+
+class RunRow(Base):
+    """A training run's settings, written by the trainer when it starts: what the viewer needs
+    to show a group's advantages as the run computed them."""
+
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    rule: Mapped[dict[str, Any]] = mapped_column(JSON)  # episodes.RewardRule
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON)  # what else decides a group (temperature, ...)
+    created_at: Mapped[datetime]
+
+
+class GroupRow(Base):
+    """What the trainer did with a group it took: each episode's reward, advantage and why."""
+
+    __tablename__ = "trained_groups"
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    run: Mapped[str | None] = mapped_column(String(256), index=True)
+    step: Mapped[int]  # the optimizer step that took it (its samples trained in step + 1)
+    episodes: Mapped[list[Any]] = mapped_column(JSON)  # [session id, reward, advantage, why] each
+    created_at: Mapped[datetime]
 
 
 ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}

@@ -97,8 +97,9 @@ class _Chain:
     request: dict[str, Any] = field(default_factory=dict)
 
     def copy(self) -> _Chain:
-        return replace(self, ids=list(self.ids), mask=list(self.mask), logprobs=list(self.logprobs),
-                       spans=list(self.spans))  # fmt: skip
+        return replace(
+            self, ids=list(self.ids), mask=list(self.mask), logprobs=list(self.logprobs), spans=list(self.spans)
+        )
 
     def extend(self, call: CallRecord, completion: Completion, reward: float | None) -> None:
         prompt_part = call.prompt_token_ids[len(self.ids) :]

@@ -43,7 +43,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
         served = httpx.get(f"{given}/models").json()["data"][0]
         yield Upstream(given, served["id"], served["max_model_len"])
         return
-    from proxy.vllm import resolve_model
+    from proxy.model import resolve_model
 
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"

@@ -17,8 +17,22 @@ from tests.support.samples import call
 from trainer.cli import app
 
 runner = CliRunner()
-COMMANDS = [[], ["serve"], ["demo"], ["model"], ["model", "prepare"], ["sessions"], ["sessions", "list"],
-            ["sessions", "show"], ["export"], ["report"], ["doctor"], ["collect"], ["train"], ["ui"]]  # fmt: skip
+COMMANDS = [
+    [],
+    ["serve"],
+    ["demo"],
+    ["model"],
+    ["model", "prepare"],
+    ["sessions"],
+    ["sessions", "list"],
+    ["sessions", "show"],
+    ["export"],
+    ["report"],
+    ["doctor"],
+    ["collect"],
+    ["train"],
+    ["ui"],
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "rl-proxy")
@@ -67,8 +81,9 @@ def test_export_jsonl_and_refuses_to_overwrite(db: str, tmp_path: Path) -> None:
     assert first.exit_code == 0 and "wrote 2 calls rows" in first.output
     rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     assert [(r["session_id"], r["seq"], r["completion_token_ids"]) for r in rows] == [
-        ("ep-1", 1, [1, 7, 2]), ("ep-1", 2, [2, 7, 2])
-    ]  # fmt: skip
+        ("ep-1", 1, [1, 7, 2]),
+        ("ep-1", 2, [2, 7, 2]),
+    ]
     again = runner.invoke(app, ["export", "--db", db, "--out", str(out)])
     assert again.exit_code != 0 and "--force" in again.output
     assert runner.invoke(app, ["export", "--db", db, "--out", str(out), "--force"]).exit_code == 0

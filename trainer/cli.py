@@ -20,11 +20,13 @@ import proxy.cli
 import recorder.cli
 from harness_adapters.config import ConfigError, load_config
 from harness_adapters.tasks import TaskError
-from proxy.vllm import BackendError, ModelNotAvailable, SwapError, prepare_default_model, resolve_model
+from proxy.model import ModelNotAvailable, prepare_default_model, resolve_model
+from proxy.vllm import BackendError
 from recorder.errors import SchemaMismatch
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import TrainError
+from trainer.weight_sync import SwapError
 
 app = typer.Typer(help="Record any agent harness through an OpenAI-compatible proxy, for RL.")
 model_app = typer.Typer(help="Prepare models for vLLM and the trainer.")
@@ -60,8 +62,11 @@ def doctor(
         console.print(f"- {f.conversation}, assistant message {f.turn}: {f.problem}", markup=False)
         if f.detail:
             console.print(f"    {f.detail}", markup=False, highlight=False)
-    console.print("token-in (the proxy's default with vLLM) builds continuing prompts from the sampled tokens, so "
-                  "these merge anyway; they break sessions only in --messages-mode", markup=False)  # fmt: skip
+    console.print(
+        "token-in (the proxy's default with vLLM) builds continuing prompts from the sampled tokens, so "
+        "these merge anyway; they break sessions only in --messages-mode",
+        markup=False,
+    )
 
 
 @model_app.command("prepare")
@@ -106,22 +111,23 @@ def train(
         console.print(f"stopped; continue with: rl-proxy train {config} --resume")
         raise typer.Exit(130) from exc
 
-    if not result:  # a process other than rank 0: rank 0 reports
+    if result is None:  # a process other than rank 0: rank 0 reports
         return
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.0%}"
 
+    state = result.state
     console.print(
-        f"{result['step']} steps ({result['mode']}), policy version {result['version']}, {result['samples']} "
-        f"samples ({result['tokens']} sampled tokens) in {result['seconds'] / 60:.1f} min\n"
-        f"held-out success, sampled: {pct(result['before'])} before, {pct(result['after'])} after; greedy: "
-        f"{pct(result['before_greedy'])} before, {pct(result['after_greedy'])} after (seed {result['seed']})\n"
-        f"groups skipped (equal rewards): {result['skipped_equal']}, stale episodes dropped: "
-        f"{result['dropped_stale']}, failed episodes scored {result['failures_scored']}, dropped: "
-        f"{result['unscored']} unscored, {result['dropped_infra']} by the proxy or vLLM, "
-        f"{result['refused_sampling']} for their sampling settings\n"
-        f"metrics: {result['metrics']}" + (f"\nplot: {result['plot']}" if result["plot"] else ""),
+        f"{state.step} steps ({result.mode}), policy version {state.version}, {state.samples} samples "
+        f"({state.tokens} sampled tokens) in {result.seconds / 60:.1f} min\n"
+        f"held-out success, sampled: {pct(result.before)} before, {pct(result.after)} after; greedy: "
+        f"{pct(result.before_greedy)} before, {pct(result.after_greedy)} after (seed {result.seed})\n"
+        f"groups skipped (equal rewards): {state.skipped_equal}, stale episodes dropped: {state.dropped_stale}, "
+        f"failed episodes scored {state.failures_scored}, dropped: {state.unscored} unscored, "
+        f"{state.dropped_infra} by the proxy or vLLM, {state.refused_sampling} for their sampling settings, "
+        f"{state.foreign} sessions not from the runner\n"
+        f"metrics: {result.metrics}" + (f"\nplot: {result.plot}" if result.plot else ""),
         highlight=False,
     )
 
@@ -159,8 +165,9 @@ def ui(
         console.print(f"[red]error:[/red] off loopback ({host}) the viewer needs --admin-token")
         raise typer.Exit(2)
     console.print(f"rl-proxy viewer of {store}: http://{host}:{port}/", highlight=False)
-    uvicorn.run(create_app(store, runs, token_decoder(model), host, admin_token), host=host, port=port,
-                log_level="warning")  # fmt: skip
+    uvicorn.run(
+        create_app(store, runs, token_decoder(model), host, admin_token), host=host, port=port, log_level="warning"
+    )
 
 
 if __name__ == "__main__":

@@ -66,11 +66,13 @@ class TrainSection(Strict):
             foreign = sorted(unknown - grpo_fields())
             unused = sorted(unknown - set(foreign))
             raise ValueError(
-                "grpo: " + "; ".join(
+                "grpo: "
+                + "; ".join(
                     ([f"{unused} are GRPOConfig fields not used here (samples come from the store)"] if unused else [])
                     + ([f"{foreign} are not GRPOConfig fields"] if foreign else [])
-                ) + f"; used here: {sorted(GRPO_KEYS)}"
-            )  # fmt: skip
+                )
+                + f"; used here: {sorted(GRPO_KEYS)}"
+            )
         if self.lora is not None:
             import dataclasses
 

@@ -1,13 +1,17 @@
 """Finished GRPO groups read back from the store as training samples, and what a checkpoint
 holds besides the weights (`LoopState`).
 
-A group is rebuilt into token-exact sequences (recorder.trajectories). An episode whose harness
-crashed or timed out is scored `failure_reward` (a policy that hangs or loops is penalised, as
-evaluation counts it a failure); one the proxy or vLLM failed (a call answered 5xx), or with no
-call or no reward (the verifier failed), is dropped, each counted. Episodes sampled more than
+A group is rebuilt into token-exact sequences (recorder.trajectories). Each episode's reward and
+the group's advantages come from the run's rule (recorder/episodes.py, which the rollouts and the
+viewer use too): an episode whose harness crashed or timed out is scored `failure_reward` (a
+policy that hangs or loops is penalised, as evaluation counts it a failure); one the proxy or
+vLLM failed (a call answered 5xx), with no call or no reward (the verifier failed), or a session
+that joined the group by its key rather than from the runner, is dropped, each counted; so is
+an episode sampled with settings the trainer cannot score at. Episodes sampled more than
 `max_staleness` optimizer steps ago are dropped and counted; a group left with fewer than two
 scored episodes, or whose rewards are all equal (no signal), is skipped and counted; groups that
-keep coming back without one scored episode stop the run by name.
+keep coming back without one scored episode stop the run by name. What was done with each
+group is stored (`Store.save_group`), and so are the run's rule and settings.
 """
 
 from __future__ import annotations
@@ -19,22 +23,31 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recorder.records import SessionInfo
+from recorder.episodes import EpisodeReward, RewardRule, Why, group_advantages
+from recorder.records import CallRecord, SessionInfo
 from recorder.store import Store
 from recorder.trajectories import TrainingSequence, build_sequences
-from trainer.config import TrainConfig
-from trainer.grpo import Sample, advantages
+from trainer.config import TrainConfig, TrainSection
+from trainer.grpo import Sample
 
 FAILING_GROUPS = 3
 # vLLM's sampling settings that shape the distribution its logprobs come from, at their neutral values.
 NEUTRAL_SAMPLING: dict[str, Any] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0,
-}  # fmt: skip
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 # Request fields that make vLLM sample under a grammar unless they are absent, "auto", "none" or
 # "text" (in any API's shape: Anthropic's tool_choice is {"type": "auto"}).
 GRAMMAR = ("tool_choice", "response_format", "structured_outputs")
+
+# Reasons an episode has no reward at all, as against one the trainer dropped after scoring it.
+DROPPED_BEFORE_SCORING = ("infra", "unscored", "foreign", "sampling")
 
 log = logging.getLogger("rl_proxy.trainer")
 
@@ -53,6 +66,7 @@ class LoopState:
     skipped_equal: int = 0  # groups whose rewards were all equal
     dropped_stale: int = 0  # episodes older than max_staleness
     unscored: int = 0  # episodes with no call, or whose reward could not be computed
+    foreign: int = 0  # sessions that joined a group by their key, not from the runner
     failures_scored: int = 0  # harness crashes and timeouts, scored failure_reward
     dropped_infra: int = 0  # episodes the proxy or vLLM failed
     refused_sampling: int = 0  # episodes sampled with settings the trainer does not score at
@@ -84,131 +98,153 @@ def version_number(version: str | None) -> int:
     return int(version) if version is not None and version.isdigit() else 0
 
 
-def episode_reward(session: SessionInfo, calls: list[Any], failure_reward: float) -> tuple[float | None, str]:
-    """The reward an episode is trained with (None: dropped) and why it is not its own: "infra"
-    (the proxy or vLLM failed a call), "failed" (the harness crashed or timed out: scored
-    `failure_reward`), "unscored" (no reward), or "" (it is the session's reward)."""
-    if any(c.http_status >= 500 for c in calls):
-        return None, "infra"
-    harness = (session.metadata.get("outcome") or {}).get("status")
-    if session.status in ("failed", "timeout") and harness in ("failed", "timeout"):
-        return failure_reward, "failed"
-    if session.status != "ok" or session.reward is None:
-        return None, "unscored"
-    return float(session.reward), ""
+def reward_rule(train: TrainSection, scale_rewards: str) -> RewardRule:
+    """The run's reward rule (recorder/episodes.py) from its config and TRL's scale_rewards."""
+    return RewardRule(failure_reward=train.failure_reward, baseline=train.baseline, scale=scale_rewards)  # type: ignore[arg-type]
+
+
+def sampling_refused(calls: list[CallRecord], settings: dict[str, Any]) -> str | None:
+    """Why an episode's calls cannot be trained on as sampled, if they cannot: vLLM records the
+    logprobs of the distribution it sampled from (after temperature, top-p, top-k, penalties,
+    a grammar), and the trainer scores its tokens at one temperature, untruncated. `settings`
+    are a run's (`GroupReader.settings`): the temperature it scores at, vLLM's defaults where a
+    request names none, and whether truncated sampling is allowed."""
+    temperature, allow = settings["temperature"], settings["allow_truncated_sampling"]
+    defaults = {**NEUTRAL_SAMPLING, **{k: v for k, v in settings["defaults"].items() if k in NEUTRAL_SAMPLING}}
+    for call in calls:
+        # What the upstream was sent: the request, or what the proxy set instead (a session's sampling).
+        sent: dict[str, Any] = {
+            k: call.rewrites[k][1] if k in call.rewrites else call.request.get(k) for k in (*NEUTRAL_SAMPLING, *GRAMMAR)
+        }
+        used = {k: defaults[k] if sent[k] is None else sent[k] for k in NEUTRAL_SAMPLING}
+        if abs(float(used["temperature"]) - temperature) > 1e-6:
+            return (
+                f"call {call.seq} sampled at temperature {used['temperature']}, and the trainer scores at "
+                f"{temperature} (grpo.temperature)"
+            )
+        changed = [
+            f"{k} {v}"
+            for k, v in used.items()
+            if k != "temperature" and v != NEUTRAL_SAMPLING[k] and (k, v) != ("top_k", 0)
+        ]
+        # A grammar masks the vocabulary as truncation does (a forced tool call, a JSON schema).
+        for k in GRAMMAR:
+            kind = sent[k].get("type", sent[k]) if isinstance(sent[k], dict) else sent[k]
+            if kind not in (None, "auto", "none", "text"):
+                changed.append(f"{k} {sent[k]!r}")
+        if changed and not allow:
+            return (
+                f"call {call.seq} sampled with {', '.join(changed)}: the trainer scores the whole "
+                "distribution (train.allow_truncated_sampling accepts such calls)"
+            )
+    return None
 
 
 class GroupReader:
-    """Samples with their advantages from finished groups; counts what it leaves out in `state`."""
+    """Samples with their advantages from finished groups; counts what it leaves out in `state`
+    and stores what it did with each group (the viewer shows it)."""
 
     def __init__(
         self,
         config: TrainConfig,
         store: Store,
         state: LoopState,
-        scale_rewards: Any,
+        rule: RewardRule,
         temperature: float = 1.0,
         defaults: dict[str, Any] | None = None,
     ) -> None:
         """`temperature` is the one the trainer scores tokens at; `defaults` the sampling settings
         vLLM applies where a request names none (the model's generation_config.json)."""
-        self.config, self.cfg, self.store, self.state = config, config.train, store, state
-        self.scale_rewards = scale_rewards  # TRL's scale_rewards: "group", "batch", "none" (or a bool)
-        self.temperature = temperature
-        self.defaults = {**NEUTRAL_SAMPLING, **{k: v for k, v in (defaults or {}).items() if k in NEUTRAL_SAMPLING}}
+        self.config, self.cfg, self.store, self.state, self.rule = config, config.train, store, state, rule
+        self.settings = {
+            "temperature": temperature,
+            "defaults": {k: v for k, v in (defaults or {}).items() if k in NEUTRAL_SAMPLING},
+            "allow_truncated_sampling": self.cfg.allow_truncated_sampling,
+            "max_staleness": self.cfg.max_staleness,
+        }
         self.failing = 0  # groups in a row without one scored episode
         self.refused: str | None = None  # why the last episode refused for its sampling settings was
 
+    async def save_run(self) -> None:
+        """Store the run's rule and settings, for the viewer."""
+        await self.store.save_run(self.config.run, self.rule, self.settings)
+
     async def leftovers(self) -> list[str]:
-        """Groups finished before a restart and not yet trained on (resume)."""
+        """Groups finished before a restart and not yet trained on (resume): every episode of
+        the group ended by the runner (a session that joined the group by its key is no episode)."""
         sessions = await self.store.list_sessions(run=self.config.run)
         groups: dict[str, list[SessionInfo]] = defaultdict(list)
         for s in sessions:
-            if s.group_id:
+            if s.group_id and s.outcome is not None:
                 groups[s.group_id].append(s)
         consumed = set(self.state.consumed)
         n = self.config.episodes_per_task
-        finished = [g for g, members in groups.items() if len(members) == n and all(s.ended_at for s in members)]
-        return [g for g in finished if g not in consumed]
+        return [g for g, members in groups.items() if len(members) >= n and g not in consumed]
 
     async def prepare(self, group: str) -> tuple[list[Sample], list[float], list[int]] | None:
         """A group's samples with their advantages, or None (counted) if it cannot be used."""
         self.state.consumed.append(group)
         sessions = await self.store.list_sessions(group_id=group)
-        kept: list[tuple[float, list[Any], int]] = []
-        scored = 0
+        rows: list[tuple[SessionInfo, float | None, Why, list[TrainingSequence], int]] = []
         for s in sessions:
-            calls = [c async for c in self.store.iter_calls(s.id)]
-            reward = self.reward(s, calls)
-            if reward is None:
-                continue
-            refused = self.sampling_refused(calls)
-            if refused is not None:
-                self.state.refused_sampling += 1
-                if refused != self.refused:
-                    log.warning("episodes left out of training: %s", refused)
-                self.refused = refused
-                continue
-            scored += 1
-            report = build_sequences(calls, s)  # per-call rewards are not used by GRPO here
-            sequences = continued([q for q in report.sequences if q.sampled_tokens])
-            if not sequences:
-                self.state.unscored += 1
-                continue
-            versions = {span.version for q in sequences for span in q.spans}
-            lag = self.state.step - min(self.state.made_at(v) for v in versions)
-            # A version newer than the serving one was made after the checkpoint a run resumed
-            # from: weights that no longer exist.
-            if lag > self.cfg.max_staleness or any(version_number(v) > self.state.version for v in versions):
-                self.state.dropped_stale += 1
-                continue
-            kept.append((reward, sequences, lag))
-        self.check_failing(sessions, scored)
-        rewards = [reward for reward, _, _ in kept]
-        if len(kept) < 2 or max(rewards) == min(rewards):
+            scored = s.training_reward(self.rule)
+            reward, why = scored.value, scored.why
+            sequences: list[TrainingSequence] = []
+            lag = 0
+            if reward is not None:
+                calls = [c async for c in self.store.iter_calls(s.id)]
+                refused = sampling_refused(calls, self.settings)
+                if refused is not None:
+                    if refused != self.refused:
+                        log.warning("episodes left out of training: %s", refused)
+                    self.refused = refused
+                    reward, why = None, "sampling"
+                else:
+                    sequences = continued([q for q in build_sequences(calls, s).sequences if q.sampled_tokens])
+                    reward, why, lag = self.fresh(reward, why, sequences)
+            elif why == "foreign":
+                log.warning("group %s: session %r joined it by its key, not from the runner: left out", group, s.id)
+            self.count(why)
+            rows.append((s, reward, why, sequences, lag))
+        self.check_failing(sessions, sum(why not in DROPPED_BEFORE_SCORING for _, _, why, _, _ in rows))
+        values = group_advantages([reward for _, reward, _, _, _ in rows], self.rule)
+        shown = [
+            [s.id, reward, None if values is None else values[i], why] for i, (s, reward, why, _, _) in enumerate(rows)
+        ]
+        await self.store.save_group(group, self.config.run, self.state.step, shown)
+        kept = [(reward, sequences, lag) for _, reward, _, sequences, lag in rows if reward is not None]
+        if values is None:
             self.state.skipped_equal += len(kept) >= 2
             return None
-        by_group = self.scale_rewards in ("group", True)
-        values = advantages(rewards, "group" if by_group else "none", self.cfg.baseline)
-        samples = [Sample(q, a) for (_, sequences, _), a in zip(kept, values, strict=True) for q in sequences]
-        return samples, rewards, [lag for _, _, lag in kept]
+        trained = [a for a in values if a is not None]
+        samples = [Sample(q, a) for (_, sequences, _), a in zip(kept, trained, strict=True) for q in sequences]
+        return samples, [reward for reward, _, _ in kept], [lag for _, _, lag in kept]
 
-    def reward(self, session: SessionInfo, calls: list[Any]) -> float | None:
-        """The episode's reward to train on, or None (counted) if it is dropped."""
-        reward, why = episode_reward(session, calls, self.cfg.failure_reward)
-        if why == "infra":
-            self.state.dropped_infra += 1
-        elif why == "failed":
-            self.state.failures_scored += 1
-        elif why == "unscored":
-            self.state.unscored += 1
-        return reward
+    def fresh(self, reward: float, why: Why, sequences: list[TrainingSequence]) -> tuple[float | None, Why, int]:
+        """(reward, why, staleness) of an episode's sequences: none to train ("empty"), or sampled
+        more than `max_staleness` optimizer steps ago ("stale")."""
+        if not sequences:
+            return None, "empty", 0
+        versions = {span.version for q in sequences for span in q.spans}
+        lag = self.state.step - min(self.state.made_at(v) for v in versions)
+        # A version newer than the serving one was made after the checkpoint a run resumed
+        # from: weights that no longer exist.
+        if lag > self.cfg.max_staleness or any(version_number(v) > self.state.version for v in versions):
+            return None, "stale", lag
+        return reward, why, lag
 
-    def sampling_refused(self, calls: list[Any]) -> str | None:
-        """Why an episode's calls cannot be trained on as sampled, if they cannot: vLLM records
-        the logprobs of the distribution it sampled from (after temperature, top-p, top-k,
-        penalties), and the trainer scores its tokens at one temperature, untruncated."""
-        for call in calls:
-            # What the upstream was sent: the request, or what the proxy set instead (a session's sampling).
-            sent = {
-                k: call.rewrites[k][1] if k in call.rewrites else call.request.get(k)
-                for k in (*NEUTRAL_SAMPLING, *GRAMMAR)
-            }
-            used = {k: self.defaults[k] if sent[k] is None else sent[k] for k in NEUTRAL_SAMPLING}
-            if abs(float(used["temperature"]) - self.temperature) > 1e-6:
-                return (f"call {call.seq} sampled at temperature {used['temperature']}, and the trainer scores at "
-                        f"{self.temperature} (grpo.temperature)")  # fmt: skip
-            changed = [f"{k} {v}" for k, v in used.items()
-                       if k != "temperature" and v != NEUTRAL_SAMPLING[k] and (k, v) != ("top_k", 0)]  # fmt: skip
-            # A grammar masks the vocabulary as truncation does (a forced tool call, a JSON schema).
-            for k in GRAMMAR:
-                kind = sent[k].get("type", sent[k]) if isinstance(sent[k], dict) else sent[k]
-                if kind not in (None, "auto", "none", "text"):
-                    changed.append(f"{k} {sent[k]!r}")
-            if changed and not self.cfg.allow_truncated_sampling:
-                return (f"call {call.seq} sampled with {', '.join(changed)}: the trainer scores the whole "
-                        "distribution (train.allow_truncated_sampling accepts such calls)")  # fmt: skip
-        return None
+    def count(self, why: Why) -> None:
+        counter = {
+            "infra": "dropped_infra",
+            "failed": "failures_scored",
+            "unscored": "unscored",
+            "empty": "unscored",
+            "foreign": "foreign",
+            "sampling": "refused_sampling",
+            "stale": "dropped_stale",
+        }.get(why)
+        if counter is not None:
+            setattr(self.state, counter, getattr(self.state, counter) + 1)
 
     def check_failing(self, sessions: list[SessionInfo], scored: int) -> None:
         """Stop, naming the cause, when groups keep coming back without one scored episode
@@ -218,7 +254,45 @@ class GroupReader:
             return
         self.failing += 1
         if self.failing >= FAILING_GROUPS:
-            errors = [s.metadata.get("outcome", {}).get("error") or s.status for s in sessions]
+            errors = [(s.outcome.error if s.outcome else None) or s.status for s in sessions]
             refused = f"; refused for sampling settings: {self.refused}" if self.refused else ""
-            raise TrainError(f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}"
-                             + refused)  # fmt: skip
+            raise TrainError(
+                f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}" + refused
+            )
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A group as the trainer took it (`step`: the optimizer step that took it), or, before any
+    trainer took it, as it would train under its run's stored rule and settings (`step` None;
+    staleness, which depends on when it is taken, is not judged then)."""
+
+    episodes: list[tuple[SessionInfo, float | None, float | None, Why]]  # session, reward, advantage, why
+    step: int | None
+    rule: RewardRule
+
+    @property
+    def trained(self) -> bool:
+        return any(advantage is not None for _, _, advantage, _ in self.episodes)
+
+
+async def group_view(store: Store, group: str) -> GroupView | None:
+    """How the trainer treats `group` (None: no such group), for the viewer."""
+    sessions = await store.list_sessions(group_id=group)
+    if not sessions:
+        return None
+    found = await store.run_settings(sessions[0].run) if sessions[0].run else None
+    rule, settings = found or (RewardRule(), {"temperature": 1.0, "defaults": {}, "allow_truncated_sampling": False})
+    taken = await store.trained_group(group)
+    if taken is not None:
+        by_id = {s.id: s for s in sessions}
+        rows = [(by_id[i], reward, advantage, why) for i, reward, advantage, why in taken[1] if i in by_id]
+        return GroupView(rows, taken[0], rule)
+    scored: list[tuple[SessionInfo, float | None, Why]] = []
+    for s in sessions:
+        episode = s.training_reward(rule)
+        if episode.value is not None and sampling_refused([c async for c in store.iter_calls(s.id)], settings):
+            episode = EpisodeReward(None, "sampling")
+        scored.append((s, episode.value, episode.why))
+    values = group_advantages([reward for _, reward, _ in scored], rule) or [None] * len(scored)
+    return GroupView([(s, reward, a, why) for (s, reward, why), a in zip(scored, values, strict=True)], None, rule)

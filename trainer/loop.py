@@ -25,21 +25,21 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
-
-import httpx
 
 from harness_adapters.rollouts import Rollouts, success_rate
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
-from proxy.vllm import SwapError, hot_swap, load_adapter
+from proxy.admin_client import AdminClient, AdminError
+from recorder.episodes import Sampling
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import GroupReader, LoopState
 from trainer.grpo import Learner, Sample
 from trainer.nccl import NcclSync
+from trainer.weight_sync import SwapError, hot_swap, load_adapter
 
 T = TypeVar("T")
 
@@ -50,19 +50,15 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(found, key=lambda d: int(d.name[1:]), default=None)
 
 
-async def refresh_version(admin: httpx.AsyncClient, version: str) -> None:
+async def refresh_version(admin: AdminClient, version: str) -> None:
     """Have the proxy read the new policy `version` from vLLM (while vLLM is paused): calls
     stamped with the old one would be trained as older than they are, so a failure stops the
     run, and so does a proxy that still reads another version (say, it could not read vLLM's
     models to learn a new LoRA adapter)."""
     try:
-        answer = await admin.post("/admin/policy_version/refresh")
-    except httpx.HTTPError as exc:
-        raise SwapError(f"the proxy could not be told the new policy version: {exc!r}") from exc
-    if not answer.is_success:
-        raise SwapError(f"the proxy did not take the new policy version: HTTP {answer.status_code}: "
-                        f"{answer.text[:300]}")  # fmt: skip
-    read = answer.json().get("versions") or {}
+        read = await admin.refresh_version()
+    except AdminError as exc:
+        raise SwapError(f"the proxy did not take the new policy version: {exc}") from exc
     if any(v != version for v in read.values()):
         raise SwapError(f"the proxy did not take policy version {version}: it reads {read}")
 
@@ -78,6 +74,23 @@ def resident_gb() -> float | None:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
     except (OSError, ValueError, IndexError):
         return None
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    """What `rl-proxy train` reports when it ends: held-out success before and after (None
+    without an `eval` section), the loop's state and where the metrics and plot are."""
+
+    before: float | None
+    after: float | None
+    before_greedy: float | None
+    after_greedy: float | None
+    seed: int
+    seconds: float
+    mode: str
+    state: LoopState
+    metrics: Path
+    plot: Path | None = None
 
 
 @dataclass
@@ -110,8 +123,7 @@ class TrainLoop:
         self.state = state or LoopState()
         generation = base_weights / "generation_config.json"  # vLLM's defaults where a request sets none
         defaults = json.loads(generation.read_text()) if generation.exists() else {}
-        self.groups = GroupReader(config, store, self.state, learner.args.scale_rewards, learner.args.temperature,
-                                  defaults)  # fmt: skip
+        self.groups = GroupReader(config, store, self.state, rollouts.rule, learner.args.temperature, defaults)
         # The weights vLLM serves: loaded back if a swap fails.
         self.base = base_weights
         self.weights = base_weights if state is None else self.out / "versions" / f"v{self.state.version}"
@@ -132,7 +144,7 @@ class TrainLoop:
     async def in_learner(self, work: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
 
-    async def batch(self, admin: Any) -> Batch:
+    async def batch(self, admin: AdminClient) -> Batch:
         """`groups_per_step` usable groups: taken from the queue (async) or generated now (sync)."""
         samples: list[Sample] = []
         rewards: list[float] = []
@@ -159,7 +171,7 @@ class TrainLoop:
 
     # Weights
 
-    async def swap(self, admin: Any) -> float:
+    async def swap(self, admin: AdminClient) -> float:
         """Save the weights as the next version and swap them into every vLLM; the pause. Every
         `checkpoint_every` steps (and at the last) the version is also a checkpoint to resume
         from: the optimizer state and the loop's state go with it."""
@@ -186,14 +198,15 @@ class TrainLoop:
         kept = {latest_checkpoint(self.out), self.weights}
         if self.learner.lora:  # the adapter before stays loaded in vLLM (calls routed before the swap)
             kept.add(self.out / "versions" / f"v{version - 1}")
-        older = sorted((d for d in (self.out / "versions").glob("v*") if d.name[1:].isdigit()),
-                       key=lambda d: int(d.name[1:]))[: -self.cfg.keep_versions]  # fmt: skip
+        older = sorted(
+            (d for d in (self.out / "versions").glob("v*") if d.name[1:].isdigit()), key=lambda d: int(d.name[1:])
+        )[: -self.cfg.keep_versions]
         for old in older:
             if old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
         return paused
 
-    async def serve(self, directory: Path, version: str, admin: Any) -> float:
+    async def serve(self, directory: Path, version: str, admin: AdminClient) -> float:
         """Have every vLLM serve the weights (or LoRA adapter) in `directory` as `version`; the
         seconds until it does (with full weights, vLLM is paused meanwhile)."""
         announce = functools.partial(refresh_version, admin, version)
@@ -211,8 +224,12 @@ class TrainLoop:
         samples, `episodes_per_task` times, and greedy (the proxy sets temperature 0), once."""
         if eval_runner is None or self.config.eval is None:
             return None, None
-        greedy = replace(eval_runner, run=f"{eval_runner.run}-greedy", workdir=eval_runner.workdir / "greedy",
-                         sampling={"temperature": 0.0})  # fmt: skip
+        greedy = replace(
+            eval_runner,
+            run=f"{eval_runner.run}-greedy",
+            workdir=eval_runner.workdir / "greedy",
+            sampling=Sampling(temperature=0.0),
+        )
         limit, at = self.rollouts.limit, self.config.success_at
         counts = {"sampled": len(tasks) * self.config.eval.episodes_per_task, "greedy": len(tasks)}
         wins: dict[str, list[bool]] = {"sampled": [], "greedy": []}
@@ -225,15 +242,24 @@ class TrainLoop:
                 if self.progress is not None and (time.monotonic() - shown > 10 or len(wins[kind]) == counts[kind]):
                     shown = time.monotonic()
                     n, won = len(wins[kind]), sum(wins[kind])
-                    self.progress(f"held-out evaluation at step {self.state.step}, {kind}: "
-                                  f"{n}/{counts[kind]} episodes, {won} succeeded")  # fmt: skip
+                    self.progress(
+                        f"held-out evaluation at step {self.state.step}, {kind}: "
+                        f"{n}/{counts[kind]} episodes, {won} succeeded"
+                    )
 
             return finished
 
         sampled = await success_rate(eval_runner, tasks, self.config.eval.episodes_per_task, limit, at, done("sampled"))
         greedy_success = await success_rate(greedy, tasks, 1, limit, at, done("greedy"))
-        self.write({"step": self.state.step, "version": self.state.version, "heldout_success": sampled,
-                    "heldout_success_greedy": greedy_success, "seed": self.learner.args.seed})  # fmt: skip
+        self.write(
+            {
+                "step": self.state.step,
+                "version": self.state.version,
+                "heldout_success": sampled,
+                "heldout_success_greedy": greedy_success,
+                "seed": self.learner.args.seed,
+            }
+        )
         return sampled, greedy_success
 
     # The loop
@@ -245,9 +271,10 @@ class TrainLoop:
         for writer in self.writers:
             writer(row)
 
-    async def run(self, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> dict[str, Any]:
+    async def run(self, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> TrainSummary:
         self.out.mkdir(parents=True, exist_ok=True)
         before = await self.evaluate(eval_runner, eval_tasks) if self.state.step == 0 else (None, None)
+        await self.groups.save_run()
         async with self.rollouts.runner.admin() as admin:
             self.pending = await self.groups.leftovers()
             producer = None
@@ -262,11 +289,19 @@ class TrainLoop:
                     await asyncio.gather(producer, return_exceptions=True)
         after = await self.evaluate(eval_runner, eval_tasks)
         seconds = time.monotonic() - self.started
-        return {"before": before[0], "after": after[0], "before_greedy": before[1], "after_greedy": after[1],
-                "seed": self.learner.args.seed, "seconds": seconds, "mode": self.mode,
-                **asdict(self.state)}  # fmt: skip
+        return TrainSummary(
+            before[0],
+            after[0],
+            before[1],
+            after[1],
+            self.learner.args.seed,
+            seconds,
+            self.mode,
+            self.state,
+            self.metrics_file,
+        )
 
-    async def step(self, admin: Any, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> None:
+    async def step(self, admin: AdminClient, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> None:
         start = time.monotonic()
         batch = await self.batch(admin)
         waited = time.monotonic() - start
@@ -281,18 +316,31 @@ class TrainLoop:
         if self.state.step % self.cfg.sync_every == 0 or self.state.step == self.cfg.steps:
             paused = await self.swap(admin)
         row = {
-            "step": self.state.step, "version": self.state.version, "reward": statistics.fmean(batch.rewards),
+            "step": self.state.step,
+            "version": self.state.version,
+            "reward": statistics.fmean(batch.rewards),
             "rollout_reward": statistics.fmean(self.rollouts.rewards[-64:]) if self.rollouts.rewards else None,
-            "samples": len(batch.samples), "tokens": tokens, "tokens_per_s": tokens / max(trained, 1e-9),
+            "samples": len(batch.samples),
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(trained, 1e-9),
             "sequence_tokens_per_s": processed / max(trained, 1e-9),
-            "staleness_mean": statistics.fmean(batch.staleness), "staleness_max": max(batch.staleness),
-            "skipped_equal": self.state.skipped_equal, "dropped_stale": self.state.dropped_stale,
-            "unscored": self.state.unscored, "failures_scored": self.state.failures_scored,
-            "dropped_infra": self.state.dropped_infra, "refused_sampling": self.state.refused_sampling,
-            "wait_s": waited, "train_s": trained, "swap_pause_s": paused,
-            "queue": self.queue.qsize(), "memory_gb": resident_gb(), "peak_memory_gb": peak_gb(),
+            "staleness_mean": statistics.fmean(batch.staleness),
+            "staleness_max": max(batch.staleness),
+            "skipped_equal": self.state.skipped_equal,
+            "dropped_stale": self.state.dropped_stale,
+            "unscored": self.state.unscored,
+            "foreign": self.state.foreign,
+            "failures_scored": self.state.failures_scored,
+            "dropped_infra": self.state.dropped_infra,
+            "refused_sampling": self.state.refused_sampling,
+            "wait_s": waited,
+            "train_s": trained,
+            "swap_pause_s": paused,
+            "queue": self.queue.qsize(),
+            "memory_gb": resident_gb(),
+            "peak_memory_gb": peak_gb(),
             **{k.replace("/", "_"): v for k, v in metrics.items()},
-        }  # fmt: skip
+        }
         self.write(row)
         every = self.config.eval.every if self.config.eval else 0
         if every and self.state.step % every == 0 and self.state.step < self.cfg.steps:

@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from proxy.vllm import SwapError, free_port
+from proxy.vllm import free_port
 from trainer.groups import TrainError
+from trainer.weight_sync import SwapError
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,10 @@ def plan(roots: list[str]) -> list[Rendezvous]:
             answer.raise_for_status()
             workers = int(answer.json()["world_size"])
         except (httpx.HTTPError, KeyError, ValueError) as exc:
-            raise TrainError(f"weight_sync nccl: vLLM at {root} did not give its world size ({exc!r}); it needs "
-                             "VLLM_SERVER_DEV_MODE=1 for its weight routes") from exc  # fmt: skip
+            raise TrainError(
+                f"weight_sync nccl: vLLM at {root} did not give its world size ({exc!r}); it needs "
+                "VLLM_SERVER_DEV_MODE=1 for its weight routes"
+            ) from exc
         found.append(Rendezvous(root, _address_towards(root), free_port(), workers + 1))
     return found
 
@@ -68,8 +71,10 @@ class NcclSync:
 
         meetings = plan(roots)
         if not torch.cuda.is_available():
-            raise TrainError("weight_sync: nccl needs CUDA on the trainer and on vLLM, and this machine has none; "
-                             "use weight_sync: disk (the default)")  # fmt: skip
+            raise TrainError(
+                "weight_sync: nccl needs CUDA on the trainer and on vLLM, and this machine has none; "
+                "use weight_sync: disk (the default)"
+            )
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.nccl_engine import (

@@ -10,6 +10,7 @@ import asyncio
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,15 @@ from harness_adapters.collect import proxy_for
 from harness_adapters.rollouts import Rollouts
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
+from proxy.model import resolve_model
 from proxy.upstream import Upstreams
-from proxy.vllm import resolve_model, set_version
 from recorder.store import Store
 from trainer.config import TrainConfig
-from trainer.groups import LoopState, TrainError
+from trainer.groups import LoopState, TrainError, reward_rule
 from trainer.grpo import Learner
-from trainer.loop import TrainLoop, latest_checkpoint, plot, refresh_version
+from trainer.loop import TrainLoop, TrainSummary, latest_checkpoint, plot, refresh_version
 from trainer.nccl import NcclSync
+from trainer.weight_sync import set_version
 
 
 def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
@@ -59,25 +61,38 @@ def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
 
 
 def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
-    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[line]}"),
-               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[line]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
     bar = Progress(*columns)
     job = bar.add_task("train", total=total, line="waiting for the first groups")
 
     def update(row: dict[str, Any]) -> None:
         if "heldout_success" in row:
-            bar.console.print(f"held-out success at step {row['step']}: {row['heldout_success']:.0%} sampled, "
-                              f"{row['heldout_success_greedy']:.0%} greedy")  # fmt: skip
+            bar.console.print(
+                f"held-out success at step {row['step']}: {row['heldout_success']:.0%} sampled, "
+                f"{row['heldout_success_greedy']:.0%} greedy"
+            )
             return
         rollouts = "-" if row["rollout_reward"] is None else f"{row['rollout_reward']:.2f}"
-        line = (f"v{row['version']} rollout reward {rollouts} (trained groups {row['reward']:.2f}) "
-                f"staleness {row['staleness_mean']:.1f} logprob gap {row.get('logprob_gap', 0.0):.3f} "
-                f"{row['sequence_tokens_per_s']:.0f} tok/s "
-                f"skipped {row['skipped_equal']} stale {row['dropped_stale']} failed {row['failures_scored']} "
-                f"infra {row['dropped_infra']} off-sampling {row['refused_sampling']}")  # fmt: skip
+        line = (
+            f"v{row['version']} rollout reward {rollouts} (trained groups {row['reward']:.2f}) "
+            f"staleness {row['staleness_mean']:.1f} logprob gap {row.get('logprob_gap', 0.0):.3f} "
+            f"{row['sequence_tokens_per_s']:.0f} tok/s "
+            f"skipped {row['skipped_equal']} stale {row['dropped_stale']} failed {row['failures_scored']} "
+            f"infra {row['dropped_infra']} off-sampling {row['refused_sampling']}"
+        )
         bar.update(job, completed=row["step"], line=line)
-        bar.console.print(f"step {row['step']}/{total} {line} (train {row['train_s']:.0f} s, "
-                          f"waited {row['wait_s']:.0f} s)", highlight=False)  # fmt: skip
+        bar.console.print(
+            f"step {row['step']}/{total} {line} (train {row['train_s']:.0f} s, waited {row['wait_s']:.0f} s)",
+            highlight=False,
+        )
 
     return bar, update
 
@@ -88,7 +103,7 @@ def torchrun_command(processes: int, module: str, *args: str) -> list[str]:
     return [sys.executable, *(launcher if processes > 1 else []), "-m", module, *args]
 
 
-def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> TrainSummary | None:
     """Run the whole loop; a summary (held-out success before and after, counts, seconds)."""
     from transformers.utils import logging as hf_logging
 
@@ -102,9 +117,11 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         raise TrainError(f"{out} already holds checkpoints: continue with --resume, or set another 'out'")
     state = LoopState.load(checkpoint / "state.json") if checkpoint else None
     if checkpoint is not None and (config.train.lora is None) == (checkpoint / "adapter_config.json").exists():
-        raise TrainError(f"{checkpoint} holds {'a LoRA adapter' if config.train.lora is None else 'whole weights'}, "
-                         f"and the config {'has no' if config.train.lora is None else 'has a'} lora section: "
-                         "resume with the config the run started with")  # fmt: skip
+        raise TrainError(
+            f"{checkpoint} holds {'a LoRA adapter' if config.train.lora is None else 'whole weights'}, "
+            f"and the config {'has no' if config.train.lora is None else 'has a'} lora section: "
+            "resume with the config the run started with"
+        )
     tasks = load_tasks(config.path(config.tasks), None if config.split == "all" else config.split)
     evaluation = config.eval
     eval_tasks = (
@@ -114,21 +131,36 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     )
     base = Path(resolve_model(config.proxy.model)[0])
     if not (base / "config.json").exists():
-        raise TrainError(f"proxy.model: training needs the model as a local directory, and {base} is not one "
-                         "(download it first: `hf download NAME --local-dir DIR`)")  # fmt: skip
+        raise TrainError(
+            f"proxy.model: training needs the model as a local directory, and {base} is not one "
+            "(download it first: `hf download NAME --local-dir DIR`)"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    learner = Learner(str(checkpoint or base), out / "trl", config.train.grpo, config.train.steps,
-                      config.train.micro_batch, reference=str(base), lora=config.train.lora)  # fmt: skip
+    learner = Learner(
+        str(checkpoint or base),
+        out / "trl",
+        config.train.grpo,
+        config.train.steps,
+        config.train.micro_batch,
+        reference=str(base),
+        lora=config.train.lora,
+    )
     if checkpoint is not None:
         learner.load_optimizer(checkpoint)
     # With several processes the others only step, on their shards of rank 0's batches.
-    return learner.lead(lambda: _lead(config, learner, checkpoint, state, base, tasks, eval_tasks, progress)) or {}
+    return learner.lead(lambda: _lead(config, learner, checkpoint, state, base, tasks, eval_tasks, progress))
 
 
 def _lead(
-    config: TrainConfig, learner: Learner, checkpoint: Path | None, state: LoopState | None, base: Path,
-    tasks: list[Task], eval_tasks: list[Task], progress: bool,
-) -> dict[str, Any]:  # fmt: skip
+    config: TrainConfig,
+    learner: Learner,
+    checkpoint: Path | None,
+    state: LoopState | None,
+    base: Path,
+    tasks: list[Task],
+    eval_tasks: list[Task],
+    progress: bool,
+) -> TrainSummary:
     """Rank 0's part: the proxy and vLLM, the rollouts, the loop, the swaps and every file."""
     out, evaluation = config.out_dir, config.eval
     adapter, rewards = config.adapter(), config.reward_sources()
@@ -143,25 +175,29 @@ def _lead(
             here = {m["id"] for m in served if Path(m.get("root") or "") == base and not m.get("parent")}
             names |= here
             if not here:
-                raise TrainError(f"vLLM at {replica} serves {[m.get('root') for m in served]}, not the model "
-                                 f"being trained ({base}): its weights could not be swapped in")  # fmt: skip
+                raise TrainError(
+                    f"vLLM at {replica} serves {[m.get('root') for m in served]}, not the model "
+                    f"being trained ({base}): its weights could not be swapped in"
+                )
 
         sync = None
         if config.train.weight_sync == "nccl":
             sync = NcclSync(roots, learner.trl.accelerator.unwrap_model(learner.model))
 
-        async def main() -> dict[str, Any]:
+        async def main() -> TrainSummary:
             async with Store(db) as store:
                 token = config.proxy.admin_token
 
                 def runner_for(run: str, workdir: Path) -> EpisodeRunner:
-                    return EpisodeRunner(url, adapter, rewards, model, workdir, run, config.timeout,
-                                         config.concurrency, token)  # fmt: skip
+                    return EpisodeRunner(
+                        url, adapter, rewards, model, workdir, run, config.timeout, config.concurrency, token
+                    )
 
                 runner = runner_for(config.run, out / "episodes")
                 eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None
-                rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency),
-                                    config.train.failure_reward)  # fmt: skip
+                rule = reward_rule(config.train, learner.args.scale_rewards)
+                limit = asyncio.Semaphore(config.concurrency)
+                rollouts = Rollouts(runner, tasks, config.episodes_per_task, limit, rule)
                 loop = TrainLoop(config, learner, rollouts, store, roots, base, min(names), state, sync)
                 loop.writers = _writers(config)
                 async with runner.admin() as admin:
@@ -180,7 +216,5 @@ def _lead(
                     return await loop.run(eval_runner, eval_tasks)
 
         summary = asyncio.run(main())
-    metrics = out / "metrics.jsonl"
-    summary["metrics"] = metrics
-    summary["plot"] = plot(metrics, out / "training.png") if metrics.exists() else None
-    return summary
+    drawn = plot(summary.metrics, out / "training.png") if summary.metrics.exists() else None
+    return replace(summary, plot=drawn)

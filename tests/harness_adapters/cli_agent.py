@@ -26,8 +26,9 @@ messages = [{"role": "user", "content": args.question}]
 reply = ""
 for _ in range(2):
     try:
-        answer = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages, max_tokens=12,
-                                                temperature=0)  # fmt: skip
+        answer = client.chat.completions.create(
+            model=os.environ["OPENAI_MODEL"], messages=messages, max_tokens=12, temperature=0
+        )
     except Exception as exc:  # a harness that cannot reach its model gives up, saying why
         print(f"no model: {exc}")
         break
@@ -35,7 +36,9 @@ for _ in range(2):
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Say it again, shorter."}]
 if args.post_reward is not None:
     session = os.environ["RLP_SESSION_ID"]
-    posted = httpx.post(f"{os.environ['RLP_BASE_URL']}/admin/sessions/{session}/reward",
-                        json={"value": args.post_reward, "source": "harness"})  # fmt: skip
+    posted = httpx.post(
+        f"{os.environ['RLP_BASE_URL']}/admin/sessions/{session}/reward",
+        json={"value": args.post_reward, "source": "harness"},
+    )
     posted.raise_for_status()
 print(reply)

@@ -37,8 +37,12 @@ def test_claude_code_runs_through_the_proxy_and_every_call_is_recorded(
     }
     done = subprocess.run(
         [str(CLAUDE), "-p", "Say hello.", "--model", "claude-sonnet-4-5"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     calls = proxy.calls("claude-code-1")
     # The 135M model rarely finishes inside Claude Code's output limit, so Claude Code may exit 1
     # ("response exceeded the output token maximum"); what matters here is that every call it

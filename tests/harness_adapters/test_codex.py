@@ -37,8 +37,11 @@ def test_codex_runs_as_an_episode_and_every_call_is_recorded(make_proxy: Any, vl
     # Codex asks for no output limit: the proxy's cap keeps the 135M model from writing to the
     # end of its context (and this test short).
     proxy = make_proxy(vllm.url, max_completion_tokens=48)
-    codex = CommandAdapter([str(CODEX), "exec", "--skip-git-repo-check", "{prompt}"],
-                           env={"CODEX_HOME": "{workdir}/.codex"}, files={".codex/config.toml": CONFIG})  # fmt: skip
+    codex = CommandAdapter(
+        [str(CODEX), "exec", "--skip-git-repo-check", "{prompt}"],
+        env={"CODEX_HOME": "{workdir}/.codex"},
+        files={".codex/config.toml": CONFIG},
+    )
     runner = EpisodeRunner(proxy.url, codex, [], vllm.model, tmp_path, "codex", timeout=600)
     [result] = asyncio.run(runner.run_all([Task("hello", "Say hello.")], 1))
     log = Path(str(result.outcome.log)).read_text() + result.outcome.output

@@ -41,8 +41,16 @@ EXAMPLE = HERE.parents[1] / "harness_adapters" / "examples" / "arithmetic"
 TASKS = [Task("hello", "Say hello."), Task("colours", "Name a colour.")]
 
 
-def run(proxy: RunningProxy, model: str, adapter: Any, rewards: list[RewardSource], tasks: list[Task], tmp_path: Path,
-        episodes: int = 1, timeout: float = 120) -> list[EpisodeResult]:  # fmt: skip
+def run(
+    proxy: RunningProxy,
+    model: str,
+    adapter: Any,
+    rewards: list[RewardSource],
+    tasks: list[Task],
+    tmp_path: Path,
+    episodes: int = 1,
+    timeout: float = 120,
+) -> list[EpisodeResult]:
     runner = EpisodeRunner(proxy.url, adapter, rewards, model, tmp_path / "work", "test", timeout, concurrency=4)
     return asyncio.run(runner.run_all(tasks, episodes))
 
@@ -54,11 +62,12 @@ def rewards_in(db: str, session_id: str) -> list[tuple[str, float]]:
 
 
 def session_row(db: str, session_id: str) -> tuple[str, dict[str, Any], str | None]:
+    """A session's status, outcome and group, as the store's database holds them."""
     with sqlite3.connect(db) as conn:
-        status, meta, group = conn.execute(
-            "select status, metadata, group_id from sessions where id = ?", (session_id,)
+        status, outcome, group = conn.execute(
+            "select status, outcome, group_id from sessions where id = ?", (session_id,)
         ).fetchone()
-    return status, json.loads(meta), group
+    return status, json.loads(outcome), group
 
 
 def nonempty(task: Task, outcome: Any) -> float:
@@ -72,8 +81,9 @@ def strict(task: Task, outcome: Any) -> Any:
 
 
 async def one_call(client: Any, task: Task, model: str) -> str:
-    reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": task.prompt}],
-                                                 max_tokens=8, temperature=0)  # fmt: skip
+    reply = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": task.prompt}], max_tokens=8, temperature=0
+    )
     return reply.choices[0].message.content or ""
 
 
@@ -89,8 +99,9 @@ def test_command_adapter_runs_a_cli_agent_scored_by_itself_and_a_command(
     for result in results:
         assert result.calls == 2 and result.reward == pytest.approx(0.75) and result.outcome.output
         assert rewards_in(proxy.db, result.session_id) == [("harness", 0.25), ("command", 0.5)]
-        status, meta, group = session_row(proxy.db, result.session_id)
-        assert status == "ok" and group == f"test/{result.task.id}" and meta["outcome"]["reward"] == 0.75
+        status, outcome, group = session_row(proxy.db, result.session_id)
+        assert status == "ok" and group == f"test/{result.task.id}" and outcome["reward"] == 0.75
+        assert [(p["source"], p["value"]) for p in outcome["parts"]] == [("harness", 0.25), ("command", 0.5)]
         calls = proxy.calls(result.session_id)
         assert [c.seq for c in calls] == [1, 2] and all(c.ok and c.completions[0].token_ids for c in calls)
     [session] = [s for s in proxy.sessions() if s.id == results[0].session_id]
@@ -122,8 +133,9 @@ def test_agent_library_adapters(proxy: RunningProxy, vllm: Upstream, tmp_path: P
     if library == "agents_sdk":
         from agents import Agent, ModelSettings
 
-        adapter: Any = AgentsSdkAdapter(lambda task: Agent(name="a", instructions="Be brief.",
-                                                           model_settings=ModelSettings(max_tokens=16)))  # fmt: skip
+        adapter: Any = AgentsSdkAdapter(
+            lambda task: Agent(name="a", instructions="Be brief.", model_settings=ModelSettings(max_tokens=16))
+        )
     else:
         adapter = LangChainAdapter(lambda llm, task: llm.bind(max_tokens=16))
     rewards = [PythonReward(function="tests.harness_adapters.test_episodes:nonempty")]
@@ -209,11 +221,20 @@ def test_a_judge_reward_through_litellm(make_proxy: Any, tmp_path: Path, monkeyp
     monkeypatch.setenv("RLP_TEST_JUDGE_KEY", "none")
     with AppThread(stub_app()) as policy, AppThread(stub_app(answer="0.75")) as judge:
         proxy = make_proxy(f"{policy.url}/v1")
-        rubric = JudgeReward(weight=2.0, rubric="Greets.", judge_model=f"openai/{MODEL}",
-                             judge_base_url=f"{judge.url}/v1", judge_api_key_env="RLP_TEST_JUDGE_KEY")  # fmt: skip
+        rubric = JudgeReward(
+            weight=2.0,
+            rubric="Greets.",
+            judge_model=f"openai/{MODEL}",
+            judge_base_url=f"{judge.url}/v1",
+            judge_api_key_env="RLP_TEST_JUDGE_KEY",
+        )
         [scored] = run(proxy, MODEL, PythonAdapter(one_call), [rubric], TASKS[:1], tmp_path)
-        silent = JudgeReward(rubric="Greets.", judge_model=f"openai/{MODEL}", judge_base_url=f"{policy.url}/v1",
-                             judge_api_key_env="RLP_TEST_JUDGE_KEY")  # fmt: skip
+        silent = JudgeReward(
+            rubric="Greets.",
+            judge_model=f"openai/{MODEL}",
+            judge_base_url=f"{policy.url}/v1",
+            judge_api_key_env="RLP_TEST_JUDGE_KEY",
+        )
         [unscored] = run(proxy, MODEL, PythonAdapter(one_call), [silent], TASKS[:1], tmp_path)
     assert scored.status == "ok" and scored.reward == 1.5
     assert rewards_in(proxy.db, scored.session_id) == [("judge", 1.5)]
@@ -227,8 +248,9 @@ def test_collect_runs_the_shipped_example_and_prints_a_success_table(vllm: Upstr
     config = config.replace("agent.py:", f"{EXAMPLE / 'agent.py'}:").replace("split: train", "split: heldout")
     config = config.replace("episodes_per_task: 4", "episodes_per_task: 1") + f"out: {tmp_path / 'out'}\n"
     (tmp_path / "collect.yaml").write_text(config)
-    done = CliRunner().invoke(app, ["collect", str(tmp_path / "collect.yaml"), "--upstream", vllm.url],
-                              env={"COLUMNS": "200"})  # fmt: skip
+    done = CliRunner().invoke(
+        app, ["collect", str(tmp_path / "collect.yaml"), "--upstream", vllm.url], env={"COLUMNS": "200"}
+    )
     assert done.exit_code == 0, done.output
     for task in load_tasks(EXAMPLE / "tasks.jsonl", "heldout"):
         assert f"│ {task.id} " in done.output

@@ -24,11 +24,31 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell" / "collect.yaml"
 SANDBOX = (argv := load_config(SHELL, CollectConfig).harness.argv)[: argv.index("--") + 1]  # type: ignore[union-attr]
 MINI = CommandAdapter(
-    [*SANDBOX, "mini", "-c", "mini_textbased.yaml", "-c", "agent.step_limit=2", "-c", "agent.cost_limit=0",
-     "-m", "openai/{model}", "-t", "{prompt}", "--yolo", "--exit-immediately", "-o", "{workdir}/trajectory.json"],
-    env={"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
-         "MSWEA_GLOBAL_CONFIG_DIR": "{workdir}/.mini", "TMPDIR": "{workdir}"},
-)  # fmt: skip
+    [
+        *SANDBOX,
+        "mini",
+        "-c",
+        "mini_textbased.yaml",
+        "-c",
+        "agent.step_limit=2",
+        "-c",
+        "agent.cost_limit=0",
+        "-m",
+        "openai/{model}",
+        "-t",
+        "{prompt}",
+        "--yolo",
+        "--exit-immediately",
+        "-o",
+        "{workdir}/trajectory.json",
+    ],
+    env={
+        "MSWEA_CONFIGURED": "true",
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        "MSWEA_GLOBAL_CONFIG_DIR": "{workdir}/.mini",
+        "TMPDIR": "{workdir}",
+    },
+)
 
 
 def test_mini_swe_agent_runs_as_an_episode_and_every_call_is_recorded(

@@ -20,8 +20,10 @@ from tests.support.stack import Upstream
 from trainer.config import TrainConfig
 
 SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell"
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="the shell example runs in bubblewrap: "
-                                 "apt-get install bubblewrap (.ci/run does)")  # fmt: skip
+needs_bwrap = pytest.mark.skipif(
+    shutil.which("bwrap") is None,
+    reason="the shell example runs in bubblewrap: apt-get install bubblewrap (.ci/run does)",
+)
 
 
 def _done(task: Task, workdir: Path) -> None:
@@ -69,8 +71,13 @@ def test_the_harness_can_write_only_its_work_directory(tmp_path: Path, name: str
     outside.write_text("keep")
     canary = Path("/usr/rl-proxy-sandbox-canary")
     script = f"echo made > made.txt; rm -f {outside}; touch {canary}"
-    done = subprocess.run([a.format(workdir=workdir) for a in sandbox] + ["sh", "-c", script], cwd=workdir,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [a.format(workdir=workdir) for a in sandbox] + ["sh", "-c", script],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (workdir / "made.txt").read_text() == "made\n", done.stderr
     assert outside.read_text() == "keep" and not canary.exists()
     assert "Read-only file system" in done.stderr

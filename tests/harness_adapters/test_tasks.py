@@ -18,14 +18,26 @@ def write(path: Path, lines: list[str]) -> Path:
 
 
 def test_every_bad_row_is_named_with_its_line(tmp_path: Path) -> None:
-    rows = ['{"id": "a", "prompt": "x"}', '{"prompt": "no id"}', "not json", '{"id": "c"}', "",
-            '{"id": "d", "prompt": 5}', '["a list"]']  # fmt: skip
+    rows = [
+        '{"id": "a", "prompt": "x"}',
+        '{"prompt": "no id"}',
+        "not json",
+        '{"id": "c"}',
+        "",
+        '{"id": "d", "prompt": 5}',
+        '["a list"]',
+    ]
     with pytest.raises(TaskError) as bad:
         load_tasks(write(tmp_path / "t.jsonl", rows))
     message = str(bad.value)
     assert "5 bad task rows" in message
-    for expected in ("line 2: missing 'id'", "line 3: not JSON", "line 4: missing 'prompt'",
-                     "line 6: 'prompt' must be a string", "line 7: a task must be a JSON object"):  # fmt: skip
+    for expected in (
+        "line 2: missing 'id'",
+        "line 3: not JSON",
+        "line 4: missing 'prompt'",
+        "line 6: 'prompt' must be a string",
+        "line 7: a task must be a JSON object",
+    ):
         assert expected in message
 
 
@@ -46,10 +58,12 @@ def test_a_saved_dataset_with_splits(tmp_path: Path) -> None:
     import datasets
 
     rows = [json.loads(line) for line in EXAMPLE.read_text().splitlines()]
-    saved = datasets.DatasetDict({
-        "train": datasets.Dataset.from_list([{k: v for k, v in r.items() if k != "split"} for r in rows[:5]]),
-        "test": datasets.Dataset.from_list([{k: v for k, v in r.items() if k != "split"} for r in rows[30:]]),
-    })  # fmt: skip
+    saved = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{k: v for k, v in r.items() if k != "split"} for r in rows[:5]]),
+            "test": datasets.Dataset.from_list([{k: v for k, v in r.items() if k != "split"} for r in rows[30:]]),
+        }
+    )
     saved.save_to_disk(tmp_path / "ds")
     assert [t.id for t in load_tasks(tmp_path / "ds", "heldout")] == [r["id"] for r in rows[30:]]
     assert len(load_tasks(tmp_path / "ds")) == 11

@@ -13,8 +13,9 @@ from tests.support.stub_upstream import MODEL
 
 def test_admin_open_on_loopback_without_token(make_proxy: Any, stub: str) -> None:
     proxy = make_proxy(stub)
-    created = httpx.post(f"{proxy.url}/admin/sessions", json={"run": "r1", "task_id": "t1", "group_id": "g1",
-                                                             "metadata": {"seed": 3}})  # fmt: skip
+    created = httpx.post(
+        f"{proxy.url}/admin/sessions", json={"run": "r1", "task_id": "t1", "group_id": "g1", "metadata": {"seed": 3}}
+    )
     assert created.status_code == 201
     session = created.json()
     assert session["key"].startswith("rlp-") and len(session["key"]) > 30
@@ -70,8 +71,13 @@ def test_open_admin_still_needs_the_token_for_forwarded_requests(make_proxy: Any
     proxy = make_proxy(stub)
     assert httpx.get(f"{proxy.url}/admin/sessions").status_code == 200
     assert httpx.get(f"{proxy.url.replace('127.0.0.1', 'localhost')}/admin/sessions").status_code == 200
-    for header in ({"X-Forwarded-For": "203.0.113.7"}, {"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"},
-                   {"Via": "1.1 nginx"}, {"Host": "rebound.example"}):  # fmt: skip
+    for header in (
+        {"X-Forwarded-For": "203.0.113.7"},
+        {"Forwarded": "for=203.0.113.7"},
+        {"X-Real-IP": "203.0.113.7"},
+        {"Via": "1.1 nginx"},
+        {"Host": "rebound.example"},
+    ):
         refused = httpx.get(f"{proxy.url}/admin/sessions", headers=header)
         assert refused.status_code == 401 and "admin-token" in refused.json()["error"]["message"]
     guarded = make_proxy(stub, admin_token="s3cret")
@@ -111,3 +117,36 @@ def test_upstream_credentials_are_never_shown(make_proxy: Any, stub: str) -> Non
     assert failed.status_code >= 500 and "pa55" not in failed.text and "127.0.0.1:9" in failed.text
     with sqlite3.connect(proxy.db) as conn:
         assert conn.execute("select upstream from calls").fetchall() == [(stub,)]
+
+
+def test_key_labels_are_the_clients_and_never_set_an_episodes_fields(make_proxy: Any, stub: str) -> None:
+    """`outcome` and `sampling` in a key (or in a client's metadata) stay the client's labels: the
+    proxy forces no sampling from them (a key with `sampling=hot` made every call of its session a
+    500 that was never recorded) and the session has no episode outcome (a key with `outcome=1`
+    stopped the trainer on its group)."""
+    proxy = make_proxy(stub)
+    key = "run=r,task=t,group=r/t/x,id=intruder,outcome=1,sampling=hot"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    answer = httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 200, answer.text
+    [call] = proxy.calls("intruder")
+    assert call.ok and "temperature" not in call.rewrites
+    shown = httpx.get(f"{proxy.url}/admin/sessions/intruder").json()
+    assert shown["metadata"] == {"outcome": "1", "sampling": "hot"}
+    assert (shown["outcome"], shown["sampling"], shown["group_id"]) == (None, None, "r/t/x")
+    sent = {"metadata": {"outcome": {"harness": "ok", "reward": 1.0}, "sampling": {"temperature": 9}}}
+    created = httpx.post(f"{proxy.url}/admin/sessions", json=sent).json()
+    assert created["metadata"] == sent["metadata"] and created["outcome"] is None and created["sampling"] is None
+
+
+def test_an_episode_ends_with_a_typed_outcome_and_refuses_another_shape(make_proxy: Any, stub: str) -> None:
+    proxy = make_proxy(stub)
+    sid = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"temperature": 0}}).json()["id"]
+    wrong = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", json={"status": "ok", "outcome": {"status": "ok"}})
+    assert wrong.status_code == 400 and "harness" in wrong.json()["error"]["message"]
+    odd = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", json={"status": "exploded"})
+    assert odd.status_code == 400 and "status" in odd.json()["error"]["message"]
+    outcome = {"harness": "ok", "reward": 0.5, "parts": [{"source": "python", "value": 0.5}]}
+    ended = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", json={"status": "ok", "outcome": outcome}).json()
+    assert ended["status"] == "ok" and ended["outcome"]["parts"] == outcome["parts"]
+    assert ended["sampling"] == {"temperature": 0.0, "top_p": None, "top_k": None, "seed": None, "tool_choice": None}

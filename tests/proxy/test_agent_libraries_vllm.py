@@ -58,8 +58,12 @@ def test_openai_agents_sdk_runs_a_tool_agent(proxy: RunningProxy, vllm: Upstream
     key = f"agents-{api}"
     client = AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0)
     kind = OpenAIResponsesModel if api == "openai.responses" else OpenAIChatCompletionsModel
-    agent = Agent(name="adder", tools=[add], model=kind(model="gpt-4.1", openai_client=client),
-                  model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="add"))  # fmt: skip
+    agent = Agent(
+        name="adder",
+        tools=[add],
+        model=kind(model="gpt-4.1", openai_client=client),
+        model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="add"),
+    )
     result = asyncio.run(Runner.run(agent, TASK, max_turns=4))
     assert isinstance(result.final_output, str) and result.final_output
     kinds = [type(item).__name__ for item in result.new_items]
@@ -83,8 +87,15 @@ def test_langgraph_agent_on_langchain_openai(proxy: RunningProxy, vllm: Upstream
         return a + b
 
     key = f"langgraph-{api}"
-    llm = ChatOpenAI(base_url=proxy.v1, api_key=key, model=vllm.model, temperature=0, max_tokens=60, max_retries=0,
-                     use_responses_api=api == "openai.responses")  # fmt: skip
+    llm = ChatOpenAI(
+        base_url=proxy.v1,
+        api_key=key,
+        model=vllm.model,
+        temperature=0,
+        max_tokens=60,
+        max_retries=0,
+        use_responses_api=api == "openai.responses",
+    )
 
     def agent(state: MessagesState) -> dict[str, Any]:
         first = not any(isinstance(m, ToolMessage) for m in state["messages"])

@@ -35,8 +35,9 @@ def test_message_recorded_with_the_tokens_vllm_sampled(proxy: RunningProxy, vllm
     assert reply.type == "message" and reply.role == "assistant" and reply.stop_reason in ("max_tokens", "end_turn")
     assert reply.content[0].type == "text"
     [call] = proxy.calls("a-plain")
-    reference = direct_chat(vllm, messages=[{"role": "system", "content": "Be brief."}, *ASK], max_tokens=16,
-                            temperature=0)  # fmt: skip
+    reference = direct_chat(
+        vllm, messages=[{"role": "system", "content": "Be brief."}, *ASK], max_tokens=16, temperature=0
+    )
     assert call.api == "anthropic.messages" and call.ok
     assert call.prompt_token_ids == reference["prompt_token_ids"]
     assert call.completions[0].token_ids == reference["choices"][0]["token_ids"]
@@ -67,8 +68,14 @@ def test_tool_use_and_tool_result(proxy: RunningProxy, vllm: Upstream, stream: b
     key = f"a-tools-{stream}"
     c = client(proxy, key)
     ask = [{"role": "user", "content": "Use the add tool to add 2 and 3."}]
-    kwargs: Any = dict(model=vllm.model, max_tokens=80, tools=[ADD], tool_choice={"type": "tool", "name": "add"},
-                       messages=ask, extra_body=GREEDY)  # fmt: skip
+    kwargs: Any = dict(
+        model=vllm.model,
+        max_tokens=80,
+        tools=[ADD],
+        tool_choice={"type": "tool", "name": "add"},
+        messages=ask,
+        extra_body=GREEDY,
+    )
     if stream:
         with c.messages.stream(**kwargs) as s:
             reply = s.get_final_message()
@@ -77,8 +84,11 @@ def test_tool_use_and_tool_result(proxy: RunningProxy, vllm: Upstream, stream: b
     uses = [b for b in reply.content if b.type == "tool_use"]
     assert [u.name for u in uses] == ["add"] and reply.stop_reason == "tool_use"
     result = {"type": "tool_result", "tool_use_id": uses[0].id, "content": "5"}
-    follow = [*ask, {"role": "assistant", "content": [u.model_dump() for u in uses]},
-              {"role": "user", "content": [result]}]  # fmt: skip
+    follow = [
+        *ask,
+        {"role": "assistant", "content": [u.model_dump() for u in uses]},
+        {"role": "user", "content": [result]},
+    ]
     answer = c.messages.create(model=vllm.model, max_tokens=8, tools=[ADD], messages=follow, extra_body=GREEDY)
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens")
     first, second = proxy.calls(key)
@@ -116,7 +126,7 @@ def test_errors_come_in_anthropic_shape(make_proxy: Any, vllm: Upstream) -> None
         ({"model": vllm.model, "max_tokens": 5, "messages": [{"role": "user", "content": [IMAGE]}]}, 400, "image"),
         ({"model": "claude-not-served", "max_tokens": 5, "messages": ASK}, 404, "claude-not-served"),
         ({"model": vllm.model, "max_tokens": 5, "messages": ASK, "tools": [WEB_SEARCH]}, 400, "web_search_20250305"),
-    ]  # fmt: skip
+    ]
     for body, status, mentions in cases:
         resp = httpx.post(url, json=body, headers=headers, timeout=60)
         assert resp.status_code == status, resp.text

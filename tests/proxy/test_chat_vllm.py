@@ -94,8 +94,9 @@ def test_tool_calls_recorded(proxy: RunningProxy, vllm: Upstream, stream: bool) 
     key = f"s-tools-{stream}"
     client = OpenAI(base_url=proxy.v1, api_key=key)
     messages = [{"role": "user", "content": "Use the add tool to add 2 and 3."}]
-    kwargs = dict(model=vllm.model, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD,
-                  max_tokens=80, temperature=0)  # fmt: skip
+    kwargs = dict(
+        model=vllm.model, messages=messages, tools=[ADD_TOOL], tool_choice=FORCE_ADD, max_tokens=80, temperature=0
+    )
     if stream:
         names = [
             tc.function.name
@@ -272,8 +273,11 @@ def test_n_choices_recorded_each_and_n_over_the_limit_refused(make_proxy: Any, v
     client = OpenAI(base_url=proxy.v1, api_key="s-n", max_retries=0)
     reply = client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=6, n=3, temperature=1.0)
     for n in (4, 0, "2"):
-        resp = httpx.post(f"{proxy.v1}/chat/completions", headers={"Authorization": "Bearer s-n"},
-                          json={"model": vllm.model, "messages": ASK, "n": n})  # fmt: skip
+        resp = httpx.post(
+            f"{proxy.v1}/chat/completions",
+            headers={"Authorization": "Bearer s-n"},
+            json={"model": vllm.model, "messages": ASK, "n": n},
+        )
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
     [call] = proxy.calls("s-n")
     assert call.ok and [c.index for c in call.completions] == [0, 1, 2]
@@ -290,8 +294,9 @@ def test_a_session_created_with_sampling_settings_is_sampled_so_whatever_the_har
     created = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"temperature": 0, "seed": 3}})
     key = created.json()["key"]
     client = OpenAI(base_url=proxy.v1, api_key=key, max_retries=0)
-    answers = [client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=16, temperature=1.5)
-               for _ in range(2)]  # fmt: skip
+    answers = [
+        client.chat.completions.create(model=vllm.model, messages=ASK, max_tokens=16, temperature=1.5) for _ in range(2)
+    ]
     greedy = direct_chat(vllm, messages=ASK, max_tokens=16, temperature=0)
     assert [a.choices[0].message.content for a in answers] == [greedy["choices"][0]["message"]["content"]] * 2
     for call in proxy.calls(created.json()["id"]):
@@ -307,8 +312,13 @@ def test_a_session_can_force_tool_calls_on_the_calls_that_offer_tools(proxy: Run
     created = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"tool_choice": "required"}}).json()
     client = OpenAI(base_url=proxy.v1, api_key=created["key"], max_retries=0)
     ask = [{"role": "user", "content": "Hello."}]
-    called = client.chat.completions.create(model=vllm.model, messages=ask, tools=[ADD_TOOL], max_tokens=60,  # type: ignore[arg-type,list-item]
-                                            temperature=0)  # fmt: skip
+    called = client.chat.completions.create(
+        model=vllm.model,
+        messages=ask,
+        tools=[ADD_TOOL],
+        max_tokens=60,  # type: ignore[arg-type,list-item]
+        temperature=0,
+    )
     plain = client.chat.completions.create(model=vllm.model, messages=ask, max_tokens=8, temperature=0)  # type: ignore[arg-type]
     assert called.choices[0].message.tool_calls and called.choices[0].message.tool_calls[0].function.name == "add"
     assert plain.choices[0].message.content

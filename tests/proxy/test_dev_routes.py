@@ -8,8 +8,17 @@ import pytest
 
 from tests.support.stack import RunningProxy, Upstream
 
-DEV_ROUTES = ["/pause", "/resume", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/sleep",
-              "/wake_up", "/is_paused", "/weight_info"]  # fmt: skip
+DEV_ROUTES = [
+    "/pause",
+    "/resume",
+    "/collective_rpc",
+    "/update_weight_version",
+    "/reset_prefix_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_paused",
+    "/weight_info",
+]
 
 
 @pytest.mark.parametrize("prefix", ["", "/v1", "/s/some-session", "/s/some-session/v1"])
@@ -18,8 +27,12 @@ def test_dev_routes_not_forwarded(proxy: RunningProxy, vllm: Upstream, prefix: s
     version = httpx.get(f"{root}/weight_info").json()["weight_version"]
     for route in DEV_ROUTES:
         for method in ("GET", "POST"):
-            answer = httpx.request(method, f"{proxy.url}{prefix}{route}", json={"method": "reload_weights"},
-                                   headers={"Authorization": "Bearer k"})  # fmt: skip
+            answer = httpx.request(
+                method,
+                f"{proxy.url}{prefix}{route}",
+                json={"method": "reload_weights"},
+                headers={"Authorization": "Bearer k"},
+            )
             assert answer.status_code in (404, 405), (method, prefix, route, answer.status_code)
             assert "error" in answer.json()
     assert httpx.get(f"{root}/is_paused").json()["is_paused"] is False

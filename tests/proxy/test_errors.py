@@ -108,8 +108,9 @@ def test_unknown_sessions_rejected_when_configured(make_proxy: Any) -> None:
         resp = httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"Authorization": "Bearer who"})
         assert_openai_error(resp, 401, "unknown session")
         created = httpx.post(f"{proxy.url}/admin/sessions", json={"run": "r"}).json()
-        ok = httpx.post(f"{created['base_url']}/chat/completions", json=body,
-                        headers={"Authorization": f"Bearer {created['key']}"})  # fmt: skip
+        ok = httpx.post(
+            f"{created['base_url']}/chat/completions", json=body, headers={"Authorization": f"Bearer {created['key']}"}
+        )
         assert ok.status_code == 200
     assert [c.session_id for c in proxy.calls()] == [created["id"]]
 
@@ -157,8 +158,9 @@ def test_after_a_stream_lost_token_ids_streams_are_served_from_whole_answers(mak
         first = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True))
         assert httpx.get(f"{proxy.url}/healthz").json()["stream_gap"].startswith("token capture incomplete")
         again = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True))
-        messages = httpx.post(f"{proxy.v1}/messages", json={**chat, "max_tokens": 8, "stream": True},
-                              headers={"x-api-key": "s-fallback"}).text  # fmt: skip
+        messages = httpx.post(
+            f"{proxy.v1}/messages", json={**chat, "max_tokens": 8, "stream": True}, headers={"x-api-key": "s-fallback"}
+        ).text
         with client.responses.stream(model=MODEL, input="Hi") as stream:
             response = stream.get_final_response()
     # The stub writes "t101 t102 ..." when streaming and "stub answer" when not.
@@ -331,8 +333,11 @@ def _no_rendering(proxy: Any, caplog: Any) -> None:
     messages: list[dict[str, Any]] = list(CHAT)
     with caplog.at_level(logging.WARNING, logger="rl_proxy.threads"):
         for _ in range(3):
-            answer = httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": messages},
-                                headers={"x-api-key": "s-norender"})  # fmt: skip
+            answer = httpx.post(
+                f"{proxy.v1}/chat/completions",
+                json={"model": MODEL, "messages": messages},
+                headers={"x-api-key": "s-norender"},
+            )
             assert answer.status_code == 200
             messages += [answer.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
     first, *rest = proxy.calls("s-norender")

@@ -63,8 +63,10 @@ def converse(base_url: str, session: str, answered: list[tuple[str, int, str]], 
             return
         turn += 1
         answered.append((session, turn, reply.id))
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                     {"role": "user", "content": f"turn {turn}"}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": f"turn {turn}"},
+        ]
 
 
 def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, tmp_path: Path) -> None:
@@ -74,8 +76,9 @@ def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, t
         answered: list[tuple[str, int, str]] = []
         stop = threading.Event()
         sessions = [f"kill-{i}" for i in range(16)]
-        clients = [threading.Thread(target=converse, args=(f"http://127.0.0.1:{port}/v1", s, answered, stop))
-                   for s in sessions]  # fmt: skip
+        clients = [
+            threading.Thread(target=converse, args=(f"http://127.0.0.1:{port}/v1", s, answered, stop)) for s in sessions
+        ]
         for client in clients:
             client.start()
         while len(answered) < 150 and proc.poll() is None:
@@ -89,9 +92,12 @@ def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, t
 
         proc = start_proxy(f"{stub.url}/v1", db, port, log)  # restarted on the same store
         try:
-            after = {s: OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=s, max_retries=0)
-                     .chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "again"}]).id
-                     for s in sessions}  # fmt: skip
+            after = {
+                s: OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=s, max_retries=0)
+                .chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "again"}])
+                .id
+                for s in sessions
+            }
         finally:
             proc.terminate()
             proc.wait(30)
@@ -149,8 +155,16 @@ def test_calls_wait_for_a_second_writer_and_all_are_recorded(tmp_path: Path) -> 
         held.wait()
         started = time.monotonic()
         replies: list[str] = []
-        workers = [threading.Thread(target=lambda i=i: replies.append(client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"during {i}"}]).id)) for i in range(8)]  # fmt: skip
+        workers = [
+            threading.Thread(
+                target=lambda i=i: replies.append(
+                    client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": f"during {i}"}]
+                    ).id
+                )
+            )
+            for i in range(8)
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -213,8 +227,11 @@ def test_postgres_going_away_answers_503_then_recovers_by_itself(postgres: str, 
             before = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
             server.ctl("stop")
             body = {"model": MODEL, "messages": ask, "max_tokens": 8}
-            during = [httpx.post(f"{proxy.url}/v1/{path}", json=body, headers={"x-api-key": key})
-                      for path in ("chat/completions", "messages") for key in ("pg-down", "pg-new")]  # fmt: skip
+            during = [
+                httpx.post(f"{proxy.url}/v1/{path}", json=body, headers={"x-api-key": key})
+                for path in ("chat/completions", "messages")
+                for key in ("pg-down", "pg-new")
+            ]
             server.ctl("start")
             after = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
             mid = OpenAI(base_url=f"{proxy.url}/v1", api_key="pg-mid", max_retries=0)  # a read: pooled
@@ -277,15 +294,26 @@ def test_a_full_disk_answers_503_and_loses_nothing(kind: str, request: pytest.Fi
     if kind == "postgresql":
         request.getfixturevalue("postgres")  # skipped (or, in CI, failed) without PostgreSQL
     size = "3m" if kind == "sqlite" else "96m"  # a new cluster takes about 40 MB
-    with small_disk(size) as disk, store_on(disk, kind) as db, AppThread(stub_app()) as stub, \
-            AppThread(create_app(Settings(upstream=f"{stub.url}/v1", db=db))) as proxy:  # fmt: skip
+    with (
+        small_disk(size) as disk,
+        store_on(disk, kind) as db,
+        AppThread(stub_app()) as stub,
+        AppThread(create_app(Settings(upstream=f"{stub.url}/v1", db=db))) as proxy,
+    ):
         client = OpenAI(base_url=f"{proxy.url}/v1", api_key="full", max_retries=0)
         # 20 KB the store must add per call; random, as PostgreSQL would compress a repeated one.
         ask = [{"role": "user", "content": secrets.token_hex(10_000)}]
         before = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
         filler = fill(disk)
-        during = [httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "full"}, timeout=60,
-                             json={"model": MODEL, "messages": ask}) for _ in range(10)]  # fmt: skip
+        during = [
+            httpx.post(
+                f"{proxy.url}/v1/chat/completions",
+                headers={"x-api-key": "full"},
+                timeout=60,
+                json={"model": MODEL, "messages": ask},
+            )
+            for _ in range(10)
+        ]
         filler.unlink()
         after = [client.chat.completions.create(model=MODEL, messages=ask).id for _ in range(3)]
         health = httpx.get(f"{proxy.url}/healthz").json()
@@ -309,14 +337,17 @@ def test_slow_clients_hold_up_neither_others_nor_the_store(make_proxy: Any, stub
     proxy = make_proxy(stub, body_timeout=10)
     host, port = proxy.url.removeprefix("http://").split(":")
     body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "slow"}]})
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer slow\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer slow\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     slow = [socket.create_connection((host, int(port))) for _ in range(200)]
     for conn in slow:
         conn.sendall(head + body[: len(body) // 2])
     client = OpenAI(base_url=proxy.v1, api_key="quick", max_retries=0, timeout=30)
-    quick = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]).id
-             for _ in range(5)]  # fmt: skip
+    quick = [
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]).id for _ in range(5)
+    ]
     last = slow.pop()
     last.sendall(body[len(body) // 2 :])
     last.settimeout(30)

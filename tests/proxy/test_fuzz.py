@@ -94,8 +94,10 @@ JSON = st.recursive(
 )
 
 
-@given(st.text(min_size=1, max_size=400) | st.lists(st.tuples(TEXT, TEXT), min_size=1, max_size=6).map(
-    lambda pairs: ",".join(f"{k}={v}" for k, v in pairs)))  # fmt: skip
+@given(
+    st.text(min_size=1, max_size=400)
+    | st.lists(st.tuples(TEXT, TEXT), min_size=1, max_size=6).map(lambda pairs: ",".join(f"{k}={v}" for k, v in pairs))
+)
 @settings(max_examples=EXAMPLES * 20, deadline=None)
 def test_any_session_key_parses_to_a_storable_session_or_a_400(key: str) -> None:
     try:

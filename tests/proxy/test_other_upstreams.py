@@ -26,8 +26,11 @@ def test_a_provider_upstream_is_recorded_as_text(make_proxy: Any) -> None:
         whole = client.chat.completions.create(model=MODEL, messages=ASK)
         chunks = client.chat.completions.create(model=MODEL, messages=ASK, stream=True)
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        message = httpx.post(f"{proxy.v1}/messages", json={"model": MODEL, "messages": ASK, "max_tokens": 8},
-                             headers={"x-api-key": "distill-1"}).json()  # fmt: skip
+        message = httpx.post(
+            f"{proxy.v1}/messages",
+            json={"model": MODEL, "messages": ASK, "max_tokens": 8},
+            headers={"x-api-key": "distill-1"},
+        ).json()
     assert whole.choices[0].message.content == "stub answer" and streamed.startswith("t101 t102")
     assert message["content"][0]["text"] == "stub answer"
     calls = proxy.calls("distill-1")

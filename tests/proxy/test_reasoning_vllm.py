@@ -14,7 +14,8 @@ import anthropic
 import pytest
 from openai import OpenAI
 
-from proxy.vllm import VllmServer, resolve_model
+from proxy.model import resolve_model
+from proxy.vllm import VllmServer
 
 pytestmark = pytest.mark.vllm
 
@@ -52,8 +53,9 @@ def test_streamed_reasoning_reaches_every_api_and_the_record(make_proxy: Any, th
     assert thinking and thinking[0].thinking == reasoning and "message_stop" in kinds
 
     openai = OpenAI(base_url=proxy.v1, api_key="r-responses", max_retries=0)
-    events = list(openai.responses.create(model=model, input=ASK[0]["content"], max_output_tokens=12,
-                                          temperature=0, stream=True))  # fmt: skip
+    events = list(
+        openai.responses.create(model=model, input=ASK[0]["content"], max_output_tokens=12, temperature=0, stream=True)
+    )
     assert events[-1].type == "response.incomplete"  # max_output_tokens
     items = [item for item in events[-1].response.output if item.type == "reasoning"]
     assert any(e.type.startswith("response.reasoning") for e in events) and items

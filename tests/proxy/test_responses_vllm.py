@@ -52,8 +52,9 @@ def test_response_recorded_with_the_tokens_vllm_sampled(proxy: RunningProxy, vll
 def test_stream_has_the_full_event_sequence_and_the_same_tokens(proxy: RunningProxy, vllm: Upstream) -> None:
     c = client(proxy.url, "r-stream")
     # Long enough to complete: the SDK's final response needs response.completed, not .incomplete.
-    kwargs: Any = dict(model=vllm.model, input="Name three colours.", instructions="Be brief.", max_output_tokens=40,
-                       temperature=0)  # fmt: skip
+    kwargs: Any = dict(
+        model=vllm.model, input="Name three colours.", instructions="Be brief.", max_output_tokens=40, temperature=0
+    )
     with c.responses.stream(**kwargs) as stream:
         events = [event.type for event in stream]
         final = stream.get_final_response()
@@ -75,8 +76,9 @@ def test_function_call_round_trip_through_previous_response_id(
 ) -> None:
     key = f"r-tools-{stream}"
     c = client(proxy.url, key)
-    kwargs: Any = dict(model=vllm.model, input=ASK_ADD, tools=[ADD], tool_choice=FORCE_ADD, max_output_tokens=80,
-                       temperature=0)  # fmt: skip
+    kwargs: Any = dict(
+        model=vllm.model, input=ASK_ADD, tools=[ADD], tool_choice=FORCE_ADD, max_output_tokens=80, temperature=0
+    )
     if stream:
         with c.responses.stream(**kwargs) as s:
             first = s.get_final_response()
@@ -85,8 +87,9 @@ def test_function_call_round_trip_through_previous_response_id(
     [called] = [item for item in first.output if item.type == "function_call"]
     assert called.name == "add" and called.call_id
     result = {"type": "function_call_output", "call_id": called.call_id, "output": "5"}
-    second = c.responses.create(model=vllm.model, previous_response_id=first.id, input=[result], tools=[ADD],
-                                max_output_tokens=8, temperature=0)  # fmt: skip
+    second = c.responses.create(
+        model=vllm.model, previous_response_id=first.id, input=[result], tools=[ADD], max_output_tokens=8, temperature=0
+    )
     assert second.previous_response_id == first.id and second.output_text
     # The same conversation sent whole, without previous_response_id: the same prompt tokens.
     item = {"type": "function_call", "call_id": called.call_id, "name": "add", "arguments": called.arguments}

@@ -109,8 +109,10 @@ def test_two_proxy_processes_write_one_postgres_database(postgres: str, tmp_path
     stub = [sys.executable, "-m", "tests.support.stub_upstream", "--port", str(port), "--latency", "0.01"]
     upstream = f"http://127.0.0.1:{port}/v1"
     ports = [free_port(), free_port()]
-    serve = [[sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream, "--db", db, "--port", str(p)]
-             for p in ports]  # fmt: skip
+    serve = [
+        [sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream, "--db", db, "--port", str(p)]
+        for p in ports
+    ]
     with (
         process(stub, f"{upstream}/models", tmp_path / "stub.log"),
         process(serve[0], f"http://127.0.0.1:{ports[0]}/healthz", tmp_path / "a.log"),

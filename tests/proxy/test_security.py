@@ -30,8 +30,11 @@ def test_a_session_cannot_read_or_write_another_sessions_data(make_proxy: Any, s
     intruder = {"x-api-key": "intruder"}
     got = httpx.get(f"{proxy.v1}/responses/{answer.id}", headers=intruder)
     assert got.status_code == 404 and "a secret plan" not in got.text
-    chained = httpx.post(f"{proxy.v1}/responses", headers=intruder,
-                         json={"model": MODEL, "input": "go on", "previous_response_id": answer.id})  # fmt: skip
+    chained = httpx.post(
+        f"{proxy.v1}/responses",
+        headers=intruder,
+        json={"model": MODEL, "input": "go on", "previous_response_id": answer.id},
+    )
     assert chained.status_code == 400 and "not found" in chained.json()["error"]["message"]
     # Naming the victim's id in a key, a header or the path is a different key: refused.
     chat = {"model": MODEL, "messages": HI, "max_tokens": 4}
@@ -85,11 +88,17 @@ def test_credentials_in_headers_are_never_stored(make_proxy: Any, db: str) -> No
     with AppThread(stub_app(provider_key=upstream_key)) as provider:
         proxy = make_proxy(f"{provider.url}/v1", db=db, upstream_token_ids=False, upstream_api_key=upstream_key)
         OpenAI(base_url=proxy.v1, api_key=openai_key, max_retries=0).chat.completions.create(model=MODEL, messages=HI)
-        messages = httpx.post(f"{proxy.v1}/messages", headers={"x-api-key": anthropic_key},
-                              json={"model": MODEL, "messages": HI, "max_tokens": 4})  # fmt: skip
+        messages = httpx.post(
+            f"{proxy.v1}/messages",
+            headers={"x-api-key": anthropic_key},
+            json={"model": MODEL, "messages": HI, "max_tokens": 4},
+        )
         assert messages.status_code == 200
-        again = httpx.post(f"{proxy.v1}/chat/completions", headers={"Authorization": f"Bearer {openai_key}"},
-                           json={"model": MODEL, "messages": HI})  # fmt: skip
+        again = httpx.post(
+            f"{proxy.v1}/chat/completions",
+            headers={"Authorization": f"Bearer {openai_key}"},
+            json={"model": MODEL, "messages": HI},
+        )
         assert again.status_code == 200
     sessions = proxy.sessions()
     assert len(sessions) == 2 and sorted(s.calls for s in sessions) == [1, 2]  # one key, one session

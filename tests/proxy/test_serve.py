@@ -20,12 +20,19 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_serve_launches_vllm_records_and_exits_when_vllm_dies(tmp_path: Path) -> None:
     port, vllm_port = free_port(), free_port()
-    env = {**os.environ, "RLP_VLLM_PORT": str(vllm_port), "RLP_VLLM_ARGS": '["--enforce-eager"]',
-           "RLP_LOG_DIR": str(tmp_path / "logs")}  # fmt: skip
+    env = {
+        **os.environ,
+        "RLP_VLLM_PORT": str(vllm_port),
+        "RLP_VLLM_ARGS": '["--enforce-eager"]',
+        "RLP_LOG_DIR": str(tmp_path / "logs"),
+    }
     serve = subprocess.Popen(
         [sys.executable, "-m", "proxy.cli", "serve", "--db", str(tmp_path / "s.db"), "--port", str(port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while True:

@@ -29,8 +29,11 @@ def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(mak
 
 def test_messages_mode_sends_the_messages_as_they_are(make_proxy: Any, stub: str) -> None:
     proxy = make_proxy(stub, messages_mode=True)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "stub answer"},
-                {"role": "user", "content": "more"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "stub answer"},
+        {"role": "user", "content": "more"},
+    ]
     for sent in (messages[:1], messages):
         httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": sent}).raise_for_status()
     assert [c.prompt_token_ids for c in proxy.calls()] == [render(messages[:1]), render(messages)]
@@ -60,8 +63,10 @@ def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_sec
     ask = [{"role": "user", "content": "hi"}]
     headers = {"x-api-key": "s-fork"}
     httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": ask}, headers=headers)
-    branches = [[*ask, {"role": "assistant", "content": "stub answer"}, {"role": "user", "content": q}]
-                for q in ("left?", "right, at some length?")]  # fmt: skip
+    branches = [
+        [*ask, {"role": "assistant", "content": "stub answer"}, {"role": "user", "content": q}]
+        for q in ("left?", "right, at some length?")
+    ]
 
     async def send_both() -> None:
         async with httpx.AsyncClient(base_url=proxy.v1, headers=headers) as client:

@@ -65,8 +65,9 @@ def test_an_edited_history_starts_a_new_thread_and_says_why(make_proxy: Any, vll
     answer = {"role": "assistant", "content": first.choices[0].message.content}
     edited = {"role": "assistant", "content": "Something the model never said."}
     for said in (edited, answer):
-        client.chat.completions.create(model=vllm.model, messages=[*ask, said, {"role": "user", "content": "Go on."}],
-                                       max_tokens=8, temperature=0)  # fmt: skip
+        client.chat.completions.create(
+            model=vllm.model, messages=[*ask, said, {"role": "user", "content": "Go on."}], max_tokens=8, temperature=0
+        )
     _, rewritten, continued = proxy.calls("ti-edit")
     assert not rewritten.token_in and rewritten.thread_start == "message 2 is not the assistant answer sampled there"
     assert continued.token_in and continued.thread_start is None
@@ -83,9 +84,11 @@ def test_a_template_that_strips_earlier_thinking_still_gives_one_sequence(make_p
 
 
 # A template that shows what vLLM's chat route hands it besides the messages.
-INPUTS = {"chat_template": (Path(__file__).parents[1] / "support" / "inputs_template.jinja").read_text(),
-          "reasoning_effort": "low", "documents": [{"title": "a", "text": "b"}, {"title": "c", "text": "d"}],
-          }  # fmt: skip
+INPUTS = {
+    "chat_template": (Path(__file__).parents[1] / "support" / "inputs_template.jinja").read_text(),
+    "reasoning_effort": "low",
+    "documents": [{"title": "a", "text": "b"}, {"title": "c", "text": "d"}],
+}
 
 
 @pytest.mark.parametrize("extra", [{}, INPUTS], ids=["smollm2", "template-inputs"])
@@ -100,8 +103,13 @@ def test_on_text_the_bridge_is_what_the_template_renders(
     client = OpenAI(base_url=proxy.v1, api_key="ti-text", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3? Answer with one number."}]
     for ask in ("And 4 + 4?", "And 1 + 1?"):
-        reply = client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=30, temperature=0,  # type: ignore[arg-type]
-                                               extra_body=extra)  # fmt: skip
+        reply = client.chat.completions.create(
+            model=vllm.model,
+            messages=messages,
+            max_tokens=30,
+            temperature=0,  # type: ignore[arg-type]
+            extra_body=extra,
+        )
         messages += [
             {"role": "assistant", "content": reply.choices[0].message.content},
             {"role": "user", "content": ask},

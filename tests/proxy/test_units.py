@@ -43,17 +43,46 @@ def test_labelled_key() -> None:
 def test_stream_capture_assembles_tool_calls_and_tokens() -> None:
     capture = Capture()
     chunks = [
-        {"id": "c1", "model": "m", "prompt_token_ids": [1, 2, 3],
-         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "t1", "type": "function",
-                                                            "function": {"name": "add"}}]},
-                      "token_ids": [10, 11], "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1'}}]},
-                      "token_ids": [12], "logprobs": {"content": [{"logprob": -0.5}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
-                      "token_ids": [2], "logprobs": {"content": [{"logprob": -0.1}]},
-                      "finish_reason": "tool_calls"}]},
-    ]  # fmt: skip
+        {
+            "id": "c1",
+            "model": "m",
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}],
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [{"index": 0, "id": "t1", "type": "function", "function": {"name": "add"}}]
+                    },
+                    "token_ids": [10, 11],
+                    "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}]},
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1'}}]},
+                    "token_ids": [12],
+                    "logprobs": {"content": [{"logprob": -0.5}]},
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
+                    "token_ids": [2],
+                    "logprobs": {"content": [{"logprob": -0.1}]},
+                    "finish_reason": "tool_calls",
+                }
+            ]
+        },
+    ]
     for chunk in chunks:
         capture.add_chunk(chunk)
     [completion] = capture.completions()
@@ -70,8 +99,14 @@ def test_stream_capture_assembles_tool_calls_and_tokens() -> None:
 
 def test_text_completion_capture() -> None:
     capture = Capture()
-    choice = {"index": 0, "text": "4", "prompt_token_ids": [5, 6], "token_ids": [7],
-              "logprobs": {"token_logprobs": [-0.25]}, "finish_reason": "length"}  # fmt: skip
+    choice = {
+        "index": 0,
+        "text": "4",
+        "prompt_token_ids": [5, 6],
+        "token_ids": [7],
+        "logprobs": {"token_logprobs": [-0.25]},
+        "finish_reason": "length",
+    }
     capture.add_response({"choices": [choice]})
     assert capture.prompt_token_ids == [5, 6]
     assert capture.completions()[0].logprobs == [-0.25]
@@ -80,8 +115,9 @@ def test_text_completion_capture() -> None:
 def test_client_view_nulls_only_what_was_not_asked() -> None:
     body = {"prompt_token_ids": [1], "choices": [{"token_ids": [2], "logprobs": {"content": []}}]}
     assert client_view(body, keep_tokens=False, keep_logprobs=True) == {
-        "prompt_token_ids": None, "choices": [{"token_ids": None, "logprobs": {"content": []}}]
-    }  # fmt: skip
+        "prompt_token_ids": None,
+        "choices": [{"token_ids": None, "logprobs": {"content": []}}],
+    }
     chunk = {"choices": [{"delta": {}, "logprobs": {"content": [{"logprob": -1}]}}]}
     assert client_view(chunk, keep_tokens=True, keep_logprobs=False) == {"choices": [{"delta": {}, "logprobs": None}]}
 
@@ -188,8 +224,11 @@ async def test_streams_are_asked_for_whole_only_after_a_real_gap_and_not_for_goo
         upstream._gap_until = time.monotonic() - 1  # a while later
         assert not upstream.streams_whole()
     assert [r.getMessage().split(": ", 1)[1][:21] for r in caplog.records] == [
-        "a stream lost token i", "streams are streamed ", "a stream lost token i", "streams are streamed "
-    ]  # fmt: skip
+        "a stream lost token i",
+        "streams are streamed ",
+        "a stream lost token i",
+        "streams are streamed ",
+    ]
     await upstream.close()
 
 

@@ -19,12 +19,24 @@ T0 = datetime(2026, 1, 1)
 
 def turn(session: str, seq: int, prompt: list[int], tokens: list[int], messages: list[dict], answer: str) -> CallRecord:
     return CallRecord(
-        session_id=session, seq=seq, api="chat.completions", model="m", upstream="u", stream=False,
-        request={"messages": messages}, ok=True, http_status=200, error=None,
+        session_id=session,
+        seq=seq,
+        api="chat.completions",
+        model="m",
+        upstream="u",
+        stream=False,
+        request={"messages": messages},
+        ok=True,
+        http_status=200,
+        error=None,
         response={"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]},
-        prompt_token_ids=prompt, completions=[Completion(0, tokens, [-0.5] * len(tokens), "stop")],
-        policy_version="v3", policy_version_end="v3", started_at=T0 + timedelta(minutes=seq), finished_at=T0,
-    )  # fmt: skip
+        prompt_token_ids=prompt,
+        completions=[Completion(0, tokens, [-0.5] * len(tokens), "stop")],
+        policy_version="v3",
+        policy_version_end="v3",
+        started_at=T0 + timedelta(minutes=seq),
+        finished_at=T0,
+    )
 
 
 async def fill(db: str) -> None:
@@ -102,7 +114,7 @@ async def test_sft_dataset_trains_one_step_with_trl(db: str, tmp_path: Path) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from proxy.vllm import prepare_default_model
+    from proxy.model import prepare_default_model
 
     out = tmp_path / "sft"
     async with Store(db) as store:
@@ -114,10 +126,19 @@ async def test_sft_dataset_trains_one_step_with_trl(db: str, tmp_path: Path) -> 
     model_dir = prepare_default_model()
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     before = model.lm_head.weight.detach().clone()
-    config = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=1,
-                       use_cpu=True, bf16=False, report_to=[], save_strategy="no", learning_rate=1e-3)  # fmt: skip
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset,
-                         processing_class=AutoTokenizer.from_pretrained(model_dir))  # fmt: skip
+    config = SFTConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        per_device_train_batch_size=1,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        learning_rate=1e-3,
+    )
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_dir)
+    )
     result = trainer.train()
     assert result.global_step == 1 and result.training_loss > 0
     assert not model.lm_head.weight.detach().equal(before)

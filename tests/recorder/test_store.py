@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,8 @@ from sqlalchemy import text
 from proxy.state import CallNumbers
 from recorder import SessionInfo, Store
 from recorder.export import export
-from recorder.schema import key_digest, pack, unpack
+from recorder.episodes import Sampling
+from recorder.schema import SCHEMA_VERSION, key_digest, pack, unpack
 from recorder.store import SchemaMismatch, SessionConflict, async_url
 from tests.support.samples import call
 
@@ -186,8 +188,17 @@ async def test_export_jsonl_has_the_documented_fields(db: str, tmp_path: Path) -
     lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     assert len(lines) == 3 and sessions == [1]
     first = lines[0]
-    for name in ("session_id", "seq", "api", "prompt_token_ids", "completion_token_ids", "logprobs",
-                 "policy_version", "request", "response"):  # fmt: skip
+    for name in (
+        "session_id",
+        "seq",
+        "api",
+        "prompt_token_ids",
+        "completion_token_ids",
+        "logprobs",
+        "policy_version",
+        "request",
+        "response",
+    ):
         assert name in first
     assert first["completion_token_ids"] == [1, 2] and first["logprobs"] == [-0.5, -0.5]
     assert first["request"]["messages"][0]["content"] == "a/1"
@@ -210,6 +221,8 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         conn.execute("alter table calls drop column rewrites")
         conn.execute("drop index ix_calls_response_id")
         conn.execute("alter table calls drop column response_id")
+        conn.execute("alter table sessions drop column outcome")
+        conn.execute("alter table sessions drop column sampling")
         conn.execute("update schema_version set version = 1")
         conn.execute("update sessions set key = 'a'")  # keys were stored as sent
     async with Store(str(db)) as store:
@@ -220,11 +233,45 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         assert session.reward == 1.0 and session.calls == 1
         assert await store.call_rewards("a") == {1: 0.75}
     with sqlite3.connect(db) as conn:
-        assert conn.execute("select version from schema_version").fetchall() == [(7,)]
+        assert conn.execute("select version from schema_version").fetchall() == [(SCHEMA_VERSION,)]
         assert conn.execute("select key from sessions").fetchall() == [(key_digest("a"),)]
         assert conn.execute("select rewrites, response_id, call_id from calls").fetchall() == [(None, None, None)]
         for index in ("ix_calls_response_id", "ix_sessions_created_at", "ix_sessions_status"):
             assert conn.execute(f"select name from sqlite_master where name = '{index}'").fetchall(), index
+
+
+async def test_a_version_7_store_moves_outcomes_and_sampling_out_of_the_metadata(tmp_path: Path) -> None:
+    """Version 7 kept the runner's outcome and the forced sampling in the metadata, where a key
+    label of the same name could overwrite them; the migration moves only values of their shape."""
+    db = tmp_path / "s.db"
+    async with Store(str(db)) as store:
+        for sid in ("episode", "labelled"):
+            await store.resolve_session(SessionInfo(id=sid, key=sid))
+    old_outcome = {"status": "timeout", "output": "", "error": "killed", "exit_code": None, "log": None,
+                   "seconds": 3.0, "reward": None}
+    with sqlite3.connect(db) as conn:
+        conn.execute("alter table sessions drop column outcome")
+        conn.execute("alter table sessions drop column sampling")
+        conn.execute("update schema_version set version = 7")
+        meta = {"episode": 2, "outcome": old_outcome, "sampling": {"temperature": 0.0}}
+        conn.execute("update sessions set metadata = ? where id = 'episode'", (json.dumps(meta),))
+        conn.execute("""update sessions set metadata = '{"outcome": "1"}' where id = 'labelled'""")
+    async with Store(str(db)) as store:
+        episode, labelled = await store.get_session("episode"), await store.get_session("labelled")
+    assert episode is not None and labelled is not None
+    assert episode.metadata == {"episode": 2} and episode.sampling == Sampling(temperature=0.0)
+    assert episode.outcome is not None and (episode.outcome.harness, episode.outcome.error) == ("timeout", "killed")
+    assert labelled.metadata == {"outcome": "1"} and labelled.outcome is None
+
+
+async def test_a_stored_outcome_that_does_not_validate_is_ignored_not_raised(db: str) -> None:
+    async with Store(db) as store:
+        await store.resolve_session(SessionInfo(id="s", key="s"))
+        async with store.engine.begin() as conn:  # as a bug, or a hand, could have written them
+            bad = {"o": '{"harness": "exploded"}', "s": '"hot"'}
+            await conn.execute(text("update sessions set outcome = :o, sampling = :s"), bad)
+        session = await store.get_session("s")
+    assert session is not None and session.outcome is None and session.sampling is None
 
 
 async def test_sessions_filtered_sorted_paged_counted_and_summed_by_run(db: str) -> None:

@@ -25,12 +25,24 @@ def call(
     logprobs: list[float] | None = None,
 ) -> CallRecord:
     return CallRecord(
-        session_id="s", seq=seq, api="chat.completions", model="m", upstream="u", stream=False,
-        request=request if request is not None else {"messages": [SYSTEM]}, response=None, ok=ok,
-        http_status=200 if ok else 500, error=None if ok else "boom", prompt_token_ids=prompt,
+        session_id="s",
+        seq=seq,
+        api="chat.completions",
+        model="m",
+        upstream="u",
+        stream=False,
+        request=request if request is not None else {"messages": [SYSTEM]},
+        response=None,
+        ok=ok,
+        http_status=200 if ok else 500,
+        error=None if ok else "boom",
+        prompt_token_ids=prompt,
         completions=[Completion(0, tokens, logprobs if logprobs is not None else [-0.1 * t for t in tokens], finish)],
-        policy_version=version, policy_version_end=version, started_at=T0, finished_at=T0,
-    )  # fmt: skip
+        policy_version=version,
+        policy_version_end=version,
+        started_at=T0,
+        finished_at=T0,
+    )
 
 
 def test_three_turns_merge_into_one_sequence() -> None:
@@ -128,8 +140,9 @@ def test_an_extra_choice_forks_the_chain_with_its_earlier_turns() -> None:
     """Call 2 samples two choices; call 3 continues the second: both branches keep call 1's
     sampled turn, and the one call 3 extends is the second choice's."""
     second = call(2, [1, 2, 10, 3], [11])
-    second = CallRecord(**{**second.__dict__, "completions": [*second.completions,
-                                                              Completion(1, [20], [-1.0], "stop")]})  # fmt: skip
+    second = CallRecord(
+        **{**second.__dict__, "completions": [*second.completions, Completion(1, [20], [-1.0], "stop")]}
+    )
     report = build_sequences([call(1, [1, 2], [10]), second, call(3, [1, 2, 10, 3, 20, 4], [12])])
     first_choice, continued = report.sequences
     assert first_choice.input_ids == [1, 2, 10, 3, 11] and first_choice.loss_mask == [0, 0, 1, 0, 1]

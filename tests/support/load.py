@@ -113,8 +113,9 @@ async def run_load(base: str, sessions: int, seconds: float, kinds: tuple[str, .
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=sessions), timeout=timeout) as http:
         run = f"{time.monotonic_ns() % 10**8:x}"
-        await asyncio.gather(*(converse(http, base, f"soak-{run}-{i}", kinds[i % len(kinds)], until, load)
-                               for i in range(sessions)))  # fmt: skip
+        await asyncio.gather(
+            *(converse(http, base, f"soak-{run}-{i}", kinds[i % len(kinds)], until, load) for i in range(sessions))
+        )
     load.seconds = time.monotonic() - started
     sampler.cancel()
     return load

@@ -19,6 +19,7 @@ from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
 from recorder import CallRecord
+from recorder.episodes import Sampling
 from recorder.trajectories import TrainingSequence
 from tests.support.samples import ADD_TOOL, FORCE_ADD
 from trainer.config import TrainConfig
@@ -33,8 +34,14 @@ def tool_session(url: str, key: str, model: str, stream: bool = False) -> None:
     client = OpenAI(base_url=url, api_key=key, max_retries=0)
     messages: list[dict[str, Any]] = list(ASK)
     for turn in range(3):
-        kwargs: Any = dict(model=model, messages=messages, tools=[ADD_TOOL], max_tokens=80, temperature=0,
-                           tool_choice=FORCE_ADD if turn < 2 else "auto")  # fmt: skip
+        kwargs: Any = dict(
+            model=model,
+            messages=messages,
+            tools=[ADD_TOOL],
+            max_tokens=80,
+            temperature=0,
+            tool_choice=FORCE_ADD if turn < 2 else "auto",
+        )
         if stream:
             with client.chat.completions.stream(**kwargs) as streamed:
                 final = streamed.get_final_completion()
@@ -63,17 +70,38 @@ def responses_session(url: str, key: str, model: str) -> None:
     """A forced function call through the Responses API, its output sent with
     `previous_response_id`, then one more turn the same way."""
     client = OpenAI(base_url=url, api_key=key, max_retries=0)
-    tool = {"type": "function", "name": "add", "description": "Add two integers.",
-            "parameters": ADD_TOOL["function"]["parameters"]}  # fmt: skip
-    first = client.responses.create(model=model, input="Use the add tool to add 2 and 3.", tools=[tool],  # type: ignore[list-item]
-                                    tool_choice={"type": "function", "name": "add"}, max_output_tokens=80,
-                                    temperature=0)  # fmt: skip
+    tool = {
+        "type": "function",
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": ADD_TOOL["function"]["parameters"],
+    }
+    first = client.responses.create(
+        model=model,
+        input="Use the add tool to add 2 and 3.",
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "add"},
+        max_output_tokens=80,
+        temperature=0,
+    )
     [called] = [item for item in first.output if item.type == "function_call"]
     result = {"type": "function_call_output", "call_id": called.call_id, "output": "5"}
-    second = client.responses.create(model=model, previous_response_id=first.id, input=[result], tools=[tool],  # type: ignore[list-item]
-                                     max_output_tokens=16, temperature=0)  # fmt: skip
-    client.responses.create(model=model, previous_response_id=second.id, input="And 4 more?", tools=[tool],  # type: ignore[list-item]
-                            max_output_tokens=16, temperature=0)  # fmt: skip
+    second = client.responses.create(
+        model=model,
+        previous_response_id=first.id,
+        input=[result],
+        tools=[tool],  # type: ignore[list-item]
+        max_output_tokens=16,
+        temperature=0,
+    )
+    client.responses.create(
+        model=model,
+        previous_response_id=second.id,
+        input="And 4 more?",
+        tools=[tool],  # type: ignore[list-item]
+        max_output_tokens=16,
+        temperature=0,
+    )
 
 
 def text_session(url: str, key: str, model: str, turns: int = 4, temperature: float = 1.0) -> None:
@@ -82,15 +110,19 @@ def text_session(url: str, key: str, model: str, turns: int = 4, temperature: fl
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Tell me about the sea."}]
     for _ in range(turns):
         reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=temperature)  # type: ignore[arg-type]
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                     {"role": "user", "content": "Go on."}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "Go on."},
+        ]
 
 
 THINK_TEMPLATE = (Path(__file__).parent / "think_template.jinja").read_text()
 # SmolLM2's template, except that earlier assistant turns lose their <think> blocks (as Qwen3's
 # does), sent with each request; the answers are made to think by a regex.
-THINKING = {"chat_template": THINK_TEMPLATE,
-            "structured_outputs": {"regex": r"<think>[a-z ]{4,40}</think>[A-Za-z ,.]{4,40}"}}  # fmt: skip
+THINKING = {
+    "chat_template": THINK_TEMPLATE,
+    "structured_outputs": {"regex": r"<think>[a-z ]{4,40}</think>[A-Za-z ,.]{4,40}"},
+}
 
 
 def think_session(url: str, key: str, model: str) -> None:
@@ -99,8 +131,13 @@ def think_session(url: str, key: str, model: str) -> None:
     client = OpenAI(base_url=url, api_key=key, max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Think, then name a colour."}]
     for turn in range(4):
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,  # type: ignore[call-overload]
-                                               extra_body=THINKING)  # fmt: skip
+        reply = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=60,
+            temperature=0,  # type: ignore[call-overload]
+            extra_body=THINKING,
+        )
         answer = reply.choices[0].message.content
         assert "</think>" in answer and reply.choices[0].finish_reason == "stop", answer
         shown = answer if turn % 2 else answer.split("</think>")[-1].strip()
@@ -110,13 +147,13 @@ def think_session(url: str, key: str, model: str) -> None:
 ROOT = Path(__file__).resolve().parents[2]
 SHELL = ROOT / "harness_adapters" / "examples" / "shell"
 HARNESS_BIN = ROOT / ".harnesses" / "node_modules" / ".bin"  # Claude Code and Codex (make install)
-FORCED = {"tool_choice": "required"}  # SmolLM2-135M seldom calls a tool of its own accord
+FORCED = Sampling(tool_choice="required")  # SmolLM2-135M seldom calls a tool of its own accord
 
 
 def harness_session(
     config: str,
     *extra: str,
-    sampling: dict[str, Any] | None = None,
+    sampling: Sampling | None = None,
     timeout: float = 300,
     env: dict[str, str] | None = None,
 ) -> Callable[[str, str, str], str]:

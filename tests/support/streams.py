@@ -18,9 +18,14 @@ async def streams_in_flight(client: AsyncOpenAI, model: str, n: int, tokens: int
     async def stream() -> str:
         text = ""
         try:
-            response = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=tokens,
-                                                            temperature=1.0, stream=True,
-                                                            extra_body={"min_tokens": tokens})  # fmt: skip
+            response = await client.chat.completions.create(
+                model=model,
+                messages=PROMPT,
+                max_tokens=tokens,
+                temperature=1.0,
+                stream=True,
+                extra_body={"min_tokens": tokens},
+            )
             async for chunk in response:
                 delta = (chunk.choices[0].delta.content or "") if chunk.choices else ""
                 if delta and not text:  # once per stream, at its first sampled text
@@ -42,6 +47,7 @@ async def streams_in_flight(client: AsyncOpenAI, model: str, n: int, tokens: int
 
 async def first_logprob(client: AsyncOpenAI, model: str) -> float:
     """The greedy first token's logprob for PROMPT: it moves when other weights serve."""
-    answer = await client.chat.completions.create(model=model, messages=PROMPT, max_tokens=1, temperature=0,
-                                                  logprobs=True)  # fmt: skip
+    answer = await client.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=1, temperature=0, logprobs=True
+    )
     return answer.choices[0].logprobs.content[0].logprob  # type: ignore[union-attr,index]

@@ -98,9 +98,13 @@ def stub_app(
         prompt = given or render(body.get("messages") or [])
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
         if not body.get("stream"):
-            out = {**head, "object": "chat.completion", "prompt_token_ids": prompt,
-                   "choices": [_choice(False, 0, answer, COMPLETION, "stop")],
-                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)}}  # fmt: skip
+            out = {
+                **head,
+                "object": "chat.completion",
+                "prompt_token_ids": prompt,
+                "choices": [_choice(False, 0, answer, COMPLETION, "stop")],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)},
+            }
             if provider_key is not None:
                 del out["prompt_token_ids"], out["choices"][0]["token_ids"], out["choices"][0]["logprobs"]
             if garbled_at is not None:
@@ -125,8 +129,11 @@ def stub_app(
                 finish = "tool_calls" if n == len(deltas) else None
                 choice = {**_choice(True, 0, "", [200 + n], finish), "delta": delta}
                 first = {"prompt_token_ids": prompt} if n == 0 else {}
-                yield b"data: " + orjson.dumps({**head, "object": "chat.completion.chunk", **first,
-                                                "choices": [choice]}) + b"\n\n"  # fmt: skip
+                yield (
+                    b"data: "
+                    + orjson.dumps({**head, "object": "chat.completion.chunk", **first, "choices": [choice]})
+                    + b"\n\n"
+                )
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(deltas) + 1}
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"

@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.vllm import hot_swap, resolve_model
+from proxy.model import resolve_model
 from tests.support.stack import Upstream
+from trainer.weight_sync import hot_swap
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("default")[0])
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     path = tmp_path_factory.mktemp("tiny")
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

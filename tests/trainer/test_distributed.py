@@ -24,40 +24,77 @@ from trainer.grpo import Learner  # noqa: E402
 from trainer.run import torchrun_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SGD = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 1.0e9, "weight_decay": 0.0,
-       "lr_scheduler_type": "constant"}  # fmt: skip
+SGD = {
+    "optim": "sgd",
+    "learning_rate": 1.0,
+    "max_grad_norm": 1.0e9,
+    "weight_decay": 0.0,
+    "lr_scheduler_type": "constant",
+}
 
 
 def _two_processes(
-    model: Path, out: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None, rows: int = 8,
-    crash: str = "", launcher: str = "torchrun",
-) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    model: Path,
+    out: Path,
+    grpo: dict[str, Any],
+    micro_batch: int,
+    lora: dict[str, Any] | None,
+    rows: int = 8,
+    crash: str = "",
+    launcher: str = "torchrun",
+) -> subprocess.CompletedProcess[str]:
     args = [str(model), str(out), json.dumps(grpo), str(micro_batch), json.dumps(lora), str(rows)]
     command = torchrun_command(2, "tests.support.distributed_step", *args)
     if launcher == "accelerate":  # --multi_gpu without --cpu: torchrun underneath, gloo on CPU
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
-                   "tests.support.distributed_step", *args]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, text=True,
-                          capture_output=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "RLP_TEST_CRASH_RANK": crash})  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "tests.support.distributed_step",
+            *args,
+        ]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "RLP_TEST_CRASH_RANK": crash},
+    )
     assert done.returncode == 0 or crash, done.stderr[-3000:]
     return done
 
 
 @pytest.mark.parametrize(
     ("grpo", "micro_batch", "lora", "rows", "launcher"),
-    [({"loss_type": "dapo"}, 3, None, 8, "torchrun"),  # 8 rows in 4 passes, 2 per rank; by the batch's tokens
-     ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8, "torchrun"),  # one pass of 4 rows per rank; a mean
-     ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8, "torchrun"),
-     ({"loss_type": "dr_grpo"}, 3, None, 7, "torchrun"),  # passes of 1, 2, 2, 2 rows: rank 0's 1 gets a filler
-     ({"loss_type": "dapo"}, 8, None, 1, "torchrun"),  # one row for two ranks: rank 0 runs a pass of fillers
-     ({"loss_type": "dapo"}, 3, None, 8, "accelerate")],  # accelerate launch, as docs/deploying.md shows
-)  # fmt: skip
+    [
+        ({"loss_type": "dapo"}, 3, None, 8, "torchrun"),  # 8 rows in 4 passes, 2 per rank; by the batch's tokens
+        ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8, "torchrun"),  # one pass of 4 rows per rank; a mean
+        ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8, "torchrun"),
+        ({"loss_type": "dr_grpo"}, 3, None, 7, "torchrun"),  # passes of 1, 2, 2, 2 rows: rank 0's 1 gets a filler
+        ({"loss_type": "dapo"}, 8, None, 1, "torchrun"),  # one row for two ranks: rank 0 runs a pass of fillers
+        ({"loss_type": "dapo"}, 3, None, 8, "accelerate"),
+    ],  # accelerate launch, as docs/deploying.md shows
+)
 def test_one_step_on_two_processes_equals_one_process(
-    tiny_model: Path, tmp_path: Path, grpo: dict[str, Any], micro_batch: int, lora: dict[str, Any] | None, rows: int,
+    tiny_model: Path,
+    tmp_path: Path,
+    grpo: dict[str, Any],
+    micro_batch: int,
+    lora: dict[str, Any] | None,
+    rows: int,
     launcher: str,
-) -> None:  # fmt: skip
+) -> None:
     grpo = {**grpo, **SGD, "temperature": 0.9}
     _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora, rows, launcher=launcher)
     learner = Learner(str(tiny_model), tmp_path / "one", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
@@ -99,8 +136,13 @@ def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tm
     del config["eval"]
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "trainer.cli", "train", str(path), "--processes", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=540)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "train", str(path), "--processes", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("1 steps (sync), policy version 1") == 1  # rank 0 alone reports
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "1"

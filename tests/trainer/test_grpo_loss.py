@@ -19,8 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
+from recorder.episodes import advantages  # noqa: E402
 from recorder.trajectories import Span, TrainingSequence  # noqa: E402
-from trainer.grpo import Learner, Sample, advantages  # noqa: E402
+from trainer.grpo import Learner, Sample  # noqa: E402
 
 CASES = [
     # loss_type, importance_sampling_level, vLLM importance-sampling mode (None: no correction)
@@ -66,12 +67,20 @@ def _batch() -> list[Sample]:
 
 
 def _config(loss_type: str, level: str, mode: str | None) -> dict[str, Any]:
-    grpo: dict[str, Any] = {"loss_type": loss_type, "importance_sampling_level": level, "epsilon": 0.2,
-                            "epsilon_high": 0.28, "vllm_importance_sampling_correction": mode is not None,
-                            "temperature": 0.9}  # fmt: skip
+    grpo: dict[str, Any] = {
+        "loss_type": loss_type,
+        "importance_sampling_level": level,
+        "epsilon": 0.2,
+        "epsilon_high": 0.28,
+        "vllm_importance_sampling_correction": mode is not None,
+        "temperature": 0.9,
+    }
     if mode:
-        grpo.update(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.8,
-                    vllm_importance_sampling_clip_max=1.25)  # fmt: skip
+        grpo.update(
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_min=0.8,
+            vllm_importance_sampling_clip_max=1.25,
+        )
     return grpo
 
 
@@ -108,8 +117,9 @@ def _reference(model: Any, samples: list[Sample], grpo: dict[str, Any]) -> Any:
 
 
 @pytest.mark.parametrize(("loss_type", "level", "mode"), CASES)
-def test_loss_equals_trl_and_the_formula(tiny_model: Path, tmp_path: Path, loss_type: str, level: str,
-                                         mode: str | None) -> None:  # fmt: skip
+def test_loss_equals_trl_and_the_formula(
+    tiny_model: Path, tmp_path: Path, loss_type: str, level: str, mode: str | None
+) -> None:
     grpo = _config(loss_type, level, mode)
     learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=8)
     learner.model.train()
@@ -259,10 +269,15 @@ def _groups() -> list[Sample]:
         prompt = [rng.randrange(100, 5000) for _ in range(prompt_length)]
         for n, shape in enumerate(turns):
             rest = _sequence(rng, shape, truncated=n == 2)
-            sequence = TrainingSequence("s", 0, prompt + rest.input_ids, [0] * prompt_length + rest.loss_mask,
-                                        [0.0] * prompt_length + rest.logprobs,
-                                        [replace(span, start=span.start + prompt_length, end=span.end + prompt_length)
-                                         for span in rest.spans], rest.truncated)  # fmt: skip
+            sequence = TrainingSequence(
+                "s",
+                0,
+                prompt + rest.input_ids,
+                [0] * prompt_length + rest.loss_mask,
+                [0.0] * prompt_length + rest.logprobs,
+                [replace(span, start=span.start + prompt_length, end=span.end + prompt_length) for span in rest.spans],
+                rest.truncated,
+            )
             samples.append(Sample(sequence, rng.uniform(-1, 1)))
     return samples
 
@@ -272,13 +287,24 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 @pytest.mark.parametrize(
     ("loss_type", "mode", "beta", "micro_batch", "lora"),
-    [("grpo", None, 0.0, 4, None), ("dapo", None, 0.0, 2, None), ("bnpo", "token_truncate", 0.0, 4, None),
-     ("dr_grpo", "sequence_mask", 0.1, 3, None), ("dapo", "token_truncate", 0.1, 3, LORA)],
-)  # fmt: skip
+    [
+        ("grpo", None, 0.0, 4, None),
+        ("dapo", None, 0.0, 2, None),
+        ("bnpo", "token_truncate", 0.0, 4, None),
+        ("dr_grpo", "sequence_mask", 0.1, 3, None),
+        ("dapo", "token_truncate", 0.1, 3, LORA),
+    ],
+)
 def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batch(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss_type: str, mode: str | None, beta: float,
-    micro_batch: int, lora: dict[str, Any] | None,
-) -> None:  # fmt: skip
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loss_type: str,
+    mode: str | None,
+    beta: float,
+    micro_batch: int,
+    lora: dict[str, Any] | None,
+) -> None:
     """The step's fast path (each group's prompt run once, its rows from its keys and values, in
     passes of at most `micro_batch` rows) against TRL's own padded batch: the same loss,
     gradients and off-policy gap; with LoRA too (adapters in the prompt's pass, and disabled
@@ -337,7 +363,7 @@ def test_a_lora_learner_saves_adapters_only_and_goes_on_from_them(tiny_model: Pa
 
 
 def test_completions_run_in_passes_of_like_lengths() -> None:
-    from trainer.grpo import length_buckets
+    from trainer.forward import length_buckets
 
     # One long completion among short ones runs alone instead of padding the other seven to it.
     lengths = [40, 175, 65, 40, 40, 40, 40, 36]
@@ -353,13 +379,21 @@ def test_the_shared_prompt_path_stands_aside_where_it_would_be_wrong(tiny_model:
     path runs for those."""
     from transformers import AutoModelForCausalLM, MistralConfig
 
-    from trainer.grpo import prompt_cache_fits
+    from trainer.forward import prompt_cache_fits
 
     plain = Learner(str(tiny_model), tmp_path / "plain", {}, total_steps=1)
     assert prompt_cache_fits(plain.model, plain.trl.accelerator)
     checkpointed = Learner(str(tiny_model), tmp_path / "gc", {"gradient_checkpointing": True}, total_steps=1)
     assert not prompt_cache_fits(checkpointed.model, checkpointed.trl.accelerator)
-    windowed = AutoModelForCausalLM.from_config(MistralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, sliding_window=8))  # fmt: skip
+    windowed = AutoModelForCausalLM.from_config(
+        MistralConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=8,
+        )
+    )
     assert not prompt_cache_fits(windowed, plain.trl.accelerator)

@@ -15,15 +15,22 @@ import pytest
 
 from harness_adapters.config import PythonHarness
 from recorder import CallRecord, Completion, SessionInfo, Store
+from recorder.episodes import EpisodeOutcome
 from trainer.config import TrainConfig, TrainSection
-from trainer.groups import GroupReader, LoopState, TrainError
+from trainer.groups import GroupReader, LoopState, TrainError, reward_rule
 
 T0 = datetime(2026, 1, 1)
 
 
 def _config(tmp_path: Path, **train: Any) -> TrainConfig:
-    return TrainConfig(run="r", tasks="t.jsonl", episodes_per_task=4, out=str(tmp_path),
-                       harness=PythonHarness(type="python", agent="x:y"), train=TrainSection(**train))  # fmt: skip
+    return TrainConfig(
+        run="r",
+        tasks="t.jsonl",
+        episodes_per_task=4,
+        out=str(tmp_path),
+        harness=PythonHarness(type="python", agent="x:y"),
+        train=TrainSection(**train),
+    )
 
 
 async def _episode(
@@ -39,32 +46,64 @@ async def _episode(
 ) -> None:
     """An episode of two merged turns (their requests with `sampling`); `harness` is how its
     harness ended, `infra` adds a call the upstream failed (503)."""
-    session = await store.create_session(SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t",
-                                                     group_id=group))  # fmt: skip
+    session = await store.create_session(
+        SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t", group_id=group)
+    )
     prompt = [1, 2, 3]
     for seq, tokens in enumerate([[10, 11], [12]]):  # two turns, merged into one sequence
-        await store.record(CallRecord(
-            session_id=session.id, seq=seq + 1, api="chat.completions", model="m", upstream="u", stream=False,
-            request={"messages": [], **(sampling or {})}, response=None, ok=True, http_status=200, error=None,
-            prompt_token_ids=prompt, completions=[Completion(0, tokens, [-0.5] * len(tokens), "stop")],
-            policy_version=version, policy_version_end=version, started_at=T0, finished_at=T0,
-        ))  # fmt: skip
+        await store.record(
+            CallRecord(
+                session_id=session.id,
+                seq=seq + 1,
+                api="chat.completions",
+                model="m",
+                upstream="u",
+                stream=False,
+                request={"messages": [], **(sampling or {})},
+                response=None,
+                ok=True,
+                http_status=200,
+                error=None,
+                prompt_token_ids=prompt,
+                completions=[Completion(0, tokens, [-0.5] * len(tokens), "stop")],
+                policy_version=version,
+                policy_version_end=version,
+                started_at=T0,
+                finished_at=T0,
+            )
+        )
         prompt = prompt + tokens + [7]
     if infra:
-        await store.record(CallRecord(
-            session_id=session.id, seq=3, api="chat.completions", model="m", upstream="u", stream=False,
-            request={"messages": []}, response=None, ok=False, http_status=503, error="upstream unreachable",
-            prompt_token_ids=[], completions=[], policy_version=version, policy_version_end=version,
-            started_at=T0, finished_at=T0,
-        ))  # fmt: skip
+        await store.record(
+            CallRecord(
+                session_id=session.id,
+                seq=3,
+                api="chat.completions",
+                model="m",
+                upstream="u",
+                stream=False,
+                request={"messages": []},
+                response=None,
+                ok=False,
+                http_status=503,
+                error="upstream unreachable",
+                prompt_token_ids=[],
+                completions=[],
+                policy_version=version,
+                policy_version_end=version,
+                started_at=T0,
+                finished_at=T0,
+            )
+        )
     if reward is not None:
         await store.add_reward(session.id, reward, "python")
-    outcome = {"status": harness, "error": None if status == "ok" else "harness crashed"}
-    await store.end_session(session.id, status, {"outcome": outcome})
+    outcome = EpisodeOutcome(harness=harness, error=None if status == "ok" else "harness crashed", reward=reward)
+    await store.end_session(session.id, status, outcome)  # type: ignore[arg-type]
 
 
 def _loop(tmp_path: Path, store: Store, state: LoopState, **train: Any) -> GroupReader:
-    return GroupReader(_config(tmp_path, **train), store, state, scale_rewards="none")
+    config = _config(tmp_path, **train)
+    return GroupReader(config, store, state, reward_rule(config.train, "none"))
 
 
 def test_staleness_equal_rewards_and_failures(tmp_path: Path) -> None:
@@ -169,8 +208,9 @@ def test_a_version_refresh_the_proxy_does_not_take_stops_the_swap(answer: Any) -
     raises SwapError naming it, where it was ignored."""
     import httpx
 
-    from proxy.vllm import SwapError
+    from proxy.admin_client import AdminClient
     from trainer.loop import refresh_version
+    from trainer.weight_sync import SwapError
 
     def admin_api(request: httpx.Request) -> httpx.Response:
         if answer == "unreachable":
@@ -180,7 +220,7 @@ def test_a_version_refresh_the_proxy_does_not_take_stops_the_swap(answer: Any) -
         return httpx.Response(answer, json={"error": {"message": "vLLM did not answer /weight_info"}})
 
     async def refresh() -> None:
-        async with httpx.AsyncClient(base_url="http://proxy", transport=httpx.MockTransport(admin_api)) as admin:
+        async with AdminClient("http://proxy", transport=httpx.MockTransport(admin_api)) as admin:
             await refresh_version(admin, "3")
 
     with pytest.raises(SwapError, match={503: "503", "unreachable": "ConnectError"}.get(answer, "it reads")):
@@ -190,13 +230,22 @@ def test_a_version_refresh_the_proxy_does_not_take_stops_the_swap(answer: Any) -
 def test_a_lora_section_is_checked_and_sizes_the_launched_vllm(tmp_path: Path) -> None:
     assert _config(tmp_path, lora={"r": 32}).proxy.max_lora_rank == 32  # the launcher starts vLLM for it
     assert _config(tmp_path, lora={}).train.lora == {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
-    for lora, why in (({"rank": 8}, "not PEFT LoraConfig fields"), ({"r": 0}, "from 1 to 512"),
-                      ({"layers_to_transform": [0]}, "cannot be used when")):  # fmt: skip
+    for lora, why in (
+        ({"rank": 8}, "not PEFT LoraConfig fields"),
+        ({"r": 0}, "from 1 to 512"),
+        ({"layers_to_transform": [0]}, "cannot be used when"),
+    ):
         with pytest.raises(ValueError, match=why):
             _config(tmp_path, lora=lora)
     with pytest.raises(ValueError, match="below the adapters' rank"):
-        TrainConfig(run="r", tasks="t.jsonl", out=str(tmp_path), harness=PythonHarness(type="python", agent="x:y"),
-                    proxy={"max_lora_rank": 8}, train=TrainSection(lora={"r": 16}))  # fmt: skip
+        TrainConfig(
+            run="r",
+            tasks="t.jsonl",
+            out=str(tmp_path),
+            harness=PythonHarness(type="python", agent="x:y"),
+            proxy={"max_lora_rank": 8},
+            train=TrainSection(lora={"r": 16}),
+        )
 
 
 def test_resuming_with_or_without_lora_against_the_checkpoint_is_refused(tmp_path: Path) -> None:
@@ -261,9 +310,21 @@ def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixtu
     from trainer.run import _display
 
     _, update = _display(10)
-    row = {"step": 1, "version": 1, "reward": 0.5, "rollout_reward": 0.875, "staleness_mean": 0.0,
-           "sequence_tokens_per_s": 100.0, "skipped_equal": 1, "dropped_stale": 0, "failures_scored": 2,
-           "dropped_infra": 0, "refused_sampling": 0, "train_s": 3.0, "wait_s": 1.0}  # fmt: skip
+    row = {
+        "step": 1,
+        "version": 1,
+        "reward": 0.5,
+        "rollout_reward": 0.875,
+        "staleness_mean": 0.0,
+        "sequence_tokens_per_s": 100.0,
+        "skipped_equal": 1,
+        "dropped_stale": 0,
+        "failures_scored": 2,
+        "dropped_infra": 0,
+        "refused_sampling": 0,
+        "train_s": 3.0,
+        "wait_s": 1.0,
+    }
     update(row)
     line = capsys.readouterr().out
     assert "rollout reward 0.88 (trained groups 0.50)" in line and "failed 2" in line
@@ -276,21 +337,31 @@ def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
     another temperature, with top_p or under a grammar (a forced tool call), is left out,
     counted and named; top_k 0 is vLLM's "off";
     a model whose generation_config sets a temperature is read as vLLM reads it."""
-    settings = [{"temperature": 0.9}, {"temperature": 0.9, "top_k": 0}, {"temperature": 0.7},
-                {"temperature": 0.9, "top_p": 0.95}, {}, {"temperature": 0.9, "tool_choice": "required"},
-                {"temperature": 0.9, "tool_choice": {"type": "auto"}}]  # fmt: skip
+    settings = [
+        {"temperature": 0.9},
+        {"temperature": 0.9, "top_k": 0},
+        {"temperature": 0.7},
+        {"temperature": 0.9, "top_p": 0.95},
+        {},
+        {"temperature": 0.9, "tool_choice": "required"},
+        {"temperature": 0.9, "tool_choice": {"type": "auto"}},
+    ]
 
     async def main() -> tuple[Any, ...]:
         async with Store(str(tmp_path / "s.db")) as store:
             for n, sampling in enumerate(settings):
                 await _episode(store, "g", n, "0", float(n % 2), sampling=sampling)
             config = _config(tmp_path)
-            strict = GroupReader(config, store, LoopState(), "none", temperature=0.9)
+            strict = GroupReader(config, store, LoopState(), reward_rule(config.train, "none"), temperature=0.9)
             with caplog.at_level(logging.WARNING, logger="rl_proxy.trainer"):
                 refused = await strict.prepare("g")
-            defaults = GroupReader(config, store, LoopState(), "none", 0.9, {"temperature": 0.9})
+            defaults = GroupReader(
+                config, store, LoopState(), reward_rule(config.train, "none"), 0.9, {"temperature": 0.9}
+            )
             loose = _config(tmp_path, allow_truncated_sampling=True)
-            allowing = GroupReader(loose, store, LoopState(), "none", 0.9, {"temperature": 0.9})
+            allowing = GroupReader(
+                loose, store, LoopState(), reward_rule(loose.train, "none"), 0.9, {"temperature": 0.9}
+            )
             return refused, strict.state, await defaults.prepare("g"), await allowing.prepare("g")
 
     refused, state, with_defaults, allowing = asyncio.run(main())
@@ -310,11 +381,47 @@ def test_only_the_choice_an_episode_continued_is_trained() -> None:
     from trainer.groups import continued
 
     def made(seq: int, prompt: list[int], *choices: list[int]) -> CallRecord:
-        return CallRecord(session_id="s", seq=seq, api="chat.completions", model="m", upstream="u", stream=False,
-                          request={}, response=None, ok=True, http_status=200, error=None, prompt_token_ids=prompt,
-                          completions=[Completion(i, c, [-0.5] * len(c), "stop") for i, c in enumerate(choices)],
-                          policy_version="0", policy_version_end="0", started_at=T0, finished_at=T0)  # fmt: skip
+        return CallRecord(
+            session_id="s",
+            seq=seq,
+            api="chat.completions",
+            model="m",
+            upstream="u",
+            stream=False,
+            request={},
+            response=None,
+            ok=True,
+            http_status=200,
+            error=None,
+            prompt_token_ids=prompt,
+            completions=[Completion(i, c, [-0.5] * len(c), "stop") for i, c in enumerate(choices)],
+            policy_version="0",
+            policy_version_end="0",
+            started_at=T0,
+            finished_at=T0,
+        )
 
     calls = [made(1, [1, 2], [10]), made(2, [1, 2, 10, 3], [11], [20]), made(3, [1, 2, 10, 3, 20, 4], [12], [30])]
     kept = continued(build_sequences(calls).sequences)
     assert [[(span.seq, span.choice) for span in q.spans] for q in kept] == [[(1, 0), (2, 1), (3, 0)]]
+
+
+def test_a_session_that_joined_a_group_by_its_key_is_left_out_and_counted(tmp_path: Path) -> None:
+    """Anyone who can reach the proxy can name a group in a key: such a session is no episode of
+    the runner's. It was trained on (or, with `outcome=1` in its key, raised AttributeError and
+    stopped the run, again at every resume), and made a resumed run skip the group."""
+    from proxy.sessions import parse_key
+
+    async def main() -> tuple[list[str], Any, LoopState]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            for n in range(4):
+                await _episode(store, "g", n, "0", float(n % 2))
+            intruder = parse_key("run=r,task=t,group=g,id=intruder,outcome=1,sampling=hot")
+            await store.resolve_session(intruder)
+            await store.add_reward("intruder", 1.0, "posted")
+            loop = _loop(tmp_path, store, LoopState())
+            return await loop.leftovers(), await loop.prepare("g"), loop.state
+
+    leftovers, prepared, state = asyncio.run(main())
+    assert leftovers == ["g"] and prepared is not None and prepared[1] == [0.0, 1.0, 0.0, 1.0]
+    assert state.foreign == 1

@@ -16,13 +16,14 @@ from openai import AsyncOpenAI
 
 from harness_adapters.config import load_config
 from proxy.upstream import adapter_name
-from proxy.vllm import SwapError, VllmServer, load_adapter, set_version
+from proxy.vllm import VllmServer
 from recorder import CallRecord, Store
 from tests.support.stack import RunningProxy, Upstream, read_store
 from tests.support.streams import first_logprob, streams_in_flight
 from trainer.config import TrainConfig
 from trainer.grpo import Learner
 from trainer.run import train
+from trainer.weight_sync import SwapError, load_adapter, set_version
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
@@ -31,8 +32,14 @@ LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 @pytest.fixture(scope="module")
 def lora_vllm(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     log = tmp_path_factory.mktemp("lora-vllm") / "vllm.log"
-    with VllmServer(str(base), "SmolLM2-135M-Instruct", log_file=log, max_model_len=4096,
-                    extra_args=["--enforce-eager"], lora_rank=16) as server:  # fmt: skip
+    with VllmServer(
+        str(base),
+        "SmolLM2-135M-Instruct",
+        log_file=log,
+        max_model_len=4096,
+        extra_args=["--enforce-eager"],
+        lora_rank=16,
+    ) as server:
         yield Upstream(server.base_url, "SmolLM2-135M-Instruct", 4096, log)
 
 
@@ -85,11 +92,12 @@ def test_adapters_swap_in_under_8_streams_without_a_pause(
     # The streams started on the base model and finished on it, though version 1 came in meanwhile.
     assert [(c.policy_version, c.policy_version_end, c.rewrites.get("model")) for c in streamed] == [
         ("0", "0", None)
-    ] * 8  # fmt: skip
+    ] * 8
     probes = [c for c in calls if not c.stream]
     assert [(c.policy_version, c.policy_version_end, c.rewrites.get("model")) for c in probes] == [
-        ("0", "0", None), *[(v, v, [lora_vllm.model, adapter_name(lora_vllm.model, v)]) for v in ("1", "2", "3")]
-    ]  # fmt: skip
+        ("0", "0", None),
+        *[(v, v, [lora_vllm.model, adapter_name(lora_vllm.model, v)]) for v in ("1", "2", "3")],
+    ]
     # Versions 1 (retired by 3) is unloaded; 2 stays for calls routed before 3 came in.
     served = {m["id"] for m in httpx.get(f"{lora_vllm.url}/models").json()["data"]}
     assert served == {lora_vllm.model, adapter_name(lora_vllm.model, "2"), adapter_name(lora_vllm.model, "3")}
@@ -111,7 +119,7 @@ def test_train_two_steps_with_lora(lora_vllm: Upstream, tmp_path: Path) -> None:
     config.eval = None
     asyncio.run(set_version(lora_vllm.url.removesuffix("/v1"), "0"))
     summary = train(config, progress=False)
-    assert (summary["step"], summary["version"]) == (2, 2)
+    assert (summary.state.step, summary.state.version) == (2, 2)
     versions = tmp_path / "run" / "versions"
     for version in ("v1", "v2"):  # adapters only: a few MB, not the model
         assert (versions / version / "adapter_model.safetensors").exists()
@@ -128,7 +136,7 @@ def test_train_two_steps_with_lora(lora_vllm: Upstream, tmp_path: Path) -> None:
     # Resumed: the adapter of step 2 trains on, and vLLM serves it again before step 3's groups.
     config.train = config.train.model_copy(update={"steps": 3})
     resumed = train(config, resume=True, progress=False)
-    assert (resumed["step"], resumed["version"]) == (3, 3)
+    assert (resumed.state.step, resumed.state.version) == (3, 3)
     calls = read_store(str(tmp_path / "run" / "rl-proxy.db"), lambda s: _all_calls(s))
     assert all(c.ok for c in calls)
     assert ("2", "2", adapter_name(lora_vllm.model, "2")) in {

@@ -6,7 +6,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from proxy.vllm import prepare_default_model, resolve_model
+from proxy.model import prepare_default_model, resolve_model
 from recorder.paths import DEFAULT_MODEL_NAME
 
 

@@ -11,12 +11,13 @@ import httpx
 import pytest
 
 from harness_adapters.config import load_config
-from proxy.vllm import WEIGHT_TRANSFER_ARGS, SwapError, hot_swap
+from proxy.vllm import WEIGHT_TRANSFER_ARGS
 from tests.support.stack import Upstream
 from trainer.config import TrainConfig
 from trainer.groups import TrainError
 from trainer.nccl import plan
 from trainer.run import train
+from trainer.weight_sync import SwapError, hot_swap
 
 torch = pytest.importorskip("torch")
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"

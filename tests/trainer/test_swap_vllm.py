@@ -13,9 +13,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.upstream import Upstreams
-from proxy.vllm import SwapError, VllmServer, hot_swap, set_version
+from proxy.vllm import VllmServer
 from tests.support.stack import RunningProxy, Upstream
 from tests.support.streams import first_logprob, streams_in_flight
+from trainer.weight_sync import SwapError, hot_swap, set_version
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,9 @@ def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str
     assert calls[-1].policy_version_end == "1"
 
 
-def test_refused_reload_keeps_old_weights(proxy: RunningProxy, vllm: Upstream, restore: str, base: Path,
-                                         tmp_path: Path) -> None:  # fmt: skip
+def test_refused_reload_keeps_old_weights(
+    proxy: RunningProxy, vllm: Upstream, restore: str, base: Path, tmp_path: Path
+) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"not safetensors at all")
@@ -99,11 +101,12 @@ def test_two_replicas_pinned_swapped_and_one_lost(
     """Two real vLLM servers behind one proxy (the shared one and a second of its own): each
     session stays on the server the hash gives it, both record token ids, one hot swap moves
     both to the new weights, and when the second dies its sessions go on on the first."""
-    from proxy.vllm import resolve_model
+    from proxy.model import resolve_model
 
     path, name = resolve_model("default")
-    with VllmServer(path, name, log_file=tmp_path / "second.log", max_model_len=vllm.max_model_len,
-                    extra_args=["--enforce-eager"]) as second:  # fmt: skip
+    with VllmServer(
+        path, name, log_file=tmp_path / "second.log", max_model_len=vllm.max_model_len, extra_args=["--enforce-eager"]
+    ) as second:
         urls = [vllm.url, second.base_url]
         asyncio.run(set_version(restore, "0"))
         asyncio.run(set_version(second.base_url.removesuffix("/v1"), "0"))

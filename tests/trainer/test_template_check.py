@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from proxy.vllm import prepare_default_model
+from proxy.model import prepare_default_model
 from trainer.template_check import check_template
 
 TURN = "<|im_start|>{{ m.role }}\n"

@@ -29,10 +29,12 @@ def by_duration(task: Any, outcome: Any) -> float:
     return outcome.seconds
 
 
-@pytest.mark.parametrize(("config_name", "api"), [("train-codex.yaml", "openai.responses"),
-                                                  ("train-claude.yaml", "anthropic.messages")])  # fmt: skip
-def test_one_step_through_the_harness(config_name: str, api: str, vllm: Upstream, restore: str, tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("config_name", "api"), [("train-codex.yaml", "openai.responses"), ("train-claude.yaml", "anthropic.messages")]
+)
+def test_one_step_through_the_harness(
+    config_name: str, api: str, vllm: Upstream, restore: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", f"{HARNESS_BIN}{os.pathsep}{os.environ['PATH']}")
     config = load_config(SHELL / config_name, TrainConfig)
     config.out, config.episodes_per_task, config.concurrency, config.eval = str(tmp_path / "run"), 2, 2, None
@@ -46,14 +48,14 @@ def test_one_step_through_the_harness(config_name: str, api: str, vllm: Upstream
 
     result = train(config, progress=False)
 
-    assert (result["step"], result["version"]) == (1, 1)
+    assert (result.state.step, result.state.version) == (1, 1)
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "1"
     out = tmp_path / "run"
     [step] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
     assert step["samples"] >= 2 and step["skipped_equal"] == 0, step
     assert step["peak_memory_gb"] >= step["memory_gb"] > 0
     sessions = read_store(str(out / "rl-proxy.db"), lambda s: s.list_sessions())
-    trained = [s for s in sessions if s.group_id in result["consumed"]]
+    trained = [s for s in sessions if s.group_id in result.state.consumed]
     assert len(trained) == 2 and all(s.reward is not None for s in trained)
     calls = read_store(str(out / "rl-proxy.db"), lambda s: _calls(s, [s_.id for s_ in trained]))
     assert calls and all(c.api == api and c.ok for c in calls)

@@ -52,14 +52,14 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     out = tmp_path / "run"
     # Held-out success before and after, as the harness samples and greedy (the proxy sets
     # temperature 0 on the greedy sessions' calls, whatever the agent asks).
-    assert all(0 <= first[k] <= 1 for k in ("before", "after", "before_greedy", "after_greedy"))
+    assert all(0 <= getattr(first, k) <= 1 for k in ("before", "after", "before_greedy", "after_greedy"))
     evaluated = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evaluated if "heldout_success_greedy" in r] == [0, 1]
     sessions = read_store(str(out / "rl-proxy.db"), lambda s: s.list_sessions())
     greedy = [s.id for s in sessions if s.run == f"{config.run}-eval-greedy"]
     greedy_calls = read_store(str(out / "rl-proxy.db"), lambda s: _calls(s, greedy))
     assert len(greedy) == 2 * 12 and greedy_calls and all(c.rewrites["temperature"][1] == 0 for c in greedy_calls)
-    assert (first["step"], first["version"]) == (1, 1)
+    assert (first.state.step, first.state.version) == (1, 1)
     state = LoopState.load(out / "versions" / "v1" / "state.json")
     assert state.step == 1 and state.consumed and state.samples >= 2
     assert (out / "versions" / "v1" / "optimizer.pt").exists()
@@ -68,17 +68,18 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
         train(_config(tmp_path, vllm.url, steps=2), progress=False)
 
     # Resumed in async mode (the first ran sync; auto picks sync on CPU): both paths run.
-    second = train(_config(tmp_path, vllm.url, steps=3, checkpoint_every=2, mode="async"), resume=True,
-                   progress=False)  # fmt: skip
-    assert (second["step"], second["version"], second["mode"], first["mode"]) == (3, 3, "async", "sync")
+    second = train(_config(tmp_path, vllm.url, steps=3, checkpoint_every=2, mode="async"), resume=True, progress=False)
+    assert (second.state.step, second.state.version, second.mode, first.mode) == (3, 3, "async", "sync")
     # Version 2 (step 2) went to vLLM as weights alone; step 3 (the last) is a checkpoint again,
     # and the two newest versions are kept.
     versions = out / "versions"
     assert [(v, (versions / v).exists(), (versions / v / "optimizer.pt").exists()) for v in ("v1", "v2", "v3")] == [
-        ("v1", False, False), ("v2", True, False), ("v3", True, True)
-    ]  # fmt: skip
-    assert second["consumed"][: len(state.consumed)] == state.consumed  # what the first run used, kept
-    assert len(set(second["consumed"])) == len(second["consumed"])  # no group trained twice
+        ("v1", False, False),
+        ("v2", True, False),
+        ("v3", True, True),
+    ]
+    assert second.state.consumed[: len(state.consumed)] == state.consumed  # what the first run used, kept
+    assert len(set(second.state.consumed)) == len(second.state.consumed)  # no group trained twice
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "3"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "reward" in r] == [1, 2, 3]
@@ -86,7 +87,7 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
 
     # The second run's episodes were sampled by the resumed weights (version 1), then version 2.
     sessions = read_store(str(out / "rl-proxy.db"), lambda s: s.list_sessions())
-    new_groups = set(second["consumed"]) - set(state.consumed)
+    new_groups = set(second.state.consumed) - set(state.consumed)
     resumed = [s.id for s in sessions if s.group_id in new_groups]
     calls = read_store(str(out / "rl-proxy.db"), lambda s: _calls(s, resumed))
     assert calls and "1" in {c.policy_version for c in calls} <= {"1", "2"}

@@ -16,6 +16,7 @@ from openai import OpenAI
 
 from proxy.server import AppThread
 from recorder import CallRecord, Completion, SessionInfo, Store
+from recorder.episodes import EpisodeOutcome
 from recorder.trajectories import build_sequences
 from tests.support.samples import ADD_TOOL
 from tests.support.sessions import tool_session
@@ -30,16 +31,21 @@ T0 = datetime(2026, 11, 1, tzinfo=UTC)
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
-def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(proxy: RunningProxy, vllm: Upstream,
-                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(
+    proxy: RunningProxy, vllm: Upstream, tmp_path: Path
+) -> None:
     from playwright.sync_api import sync_playwright
 
     key = "run=viewer,task=add,group=g1,id=viewer-1"
     tool_session(proxy.v1, key, vllm.model)
     # A fourth call whose history was edited: it starts a thread of its own, its prefix diverging.
     OpenAI(base_url=proxy.v1, api_key=key, max_retries=0).chat.completions.create(
-        model=vllm.model, messages=[{"role": "user", "content": "Add 2 and 4 with the add tool."}], tools=[ADD_TOOL],
-        max_tokens=8, temperature=0)  # fmt: skip
+        model=vllm.model,
+        messages=[{"role": "user", "content": "Add 2 and 4 with the add tool."}],
+        tools=[ADD_TOOL],
+        max_tokens=8,
+        temperature=0,
+    )
     [session] = [s for s in proxy.sessions() if s.id == "viewer-1"]
     report = build_sequences(proxy.calls("viewer-1"), session)
     # The edited call's thread, whatever the model made of the first three.
@@ -87,11 +93,29 @@ def _store_of_many(db: str, n: int) -> None:
                 run, group = f"run-{i % 2}", f"g{i // 4}"
                 info = SessionInfo(id=f"s{i:03d}", key=f"k{i}", run=run, task_id=f"t{i % 5}", group_id=group)
                 await store.resolve_session(info)
-                await store.record(CallRecord(f"s{i:03d}", 1, "openai.chat", "m", "u", False, {"messages": []},
-                                              {}, True, 200, None, [1, 2, 3], [Completion(0, [4, 5], [-0.1, -2.0],
-                                              "stop")], "0", "0", T0, T0))  # fmt: skip
+                await store.record(
+                    CallRecord(
+                        f"s{i:03d}",
+                        1,
+                        "openai.chat",
+                        "m",
+                        "u",
+                        False,
+                        {"messages": []},
+                        {},
+                        True,
+                        200,
+                        None,
+                        [1, 2, 3],
+                        [Completion(0, [4, 5], [-0.1, -2.0], "stop")],
+                        "0",
+                        "0",
+                        T0,
+                        T0,
+                    )
+                )
                 await store.add_reward(f"s{i:03d}", (i % 4) / 3, "verifier")
-                await store.end_session(f"s{i:03d}", "ok" if i % 3 else "failed")
+                await store.end_session(f"s{i:03d}", "ok" if i % 3 else "failed", EpisodeOutcome(harness="ok"))
 
     asyncio.run(fill())
 
@@ -120,8 +144,8 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
         assert get("/sessions/nobody").status_code == 404
         page = get("/sessions/s005").text
         assert 'class="t s"' in page and "&lt;4&gt;" in page and "verifier" in page
-        # s004-s007: rewards 0, 1/3, 2/3, 1, but s006 ended "failed" with no harness outcome: the
-        # trainer leaves it out, and the advantages are those of the other three.
+        # s004-s007: rewards 0, 1/3, 2/3, 1, but s006 ended "failed" though its harness ran (its
+        # verifier failed): the trainer leaves it out, and the advantages are those of the other three.
         group = get("/groups/g1").text
         assert _cells(group, "trained")[2].startswith("left out (no reward)")
         advantages = [float(a) for i, a in enumerate(_cells(group, "advantage")) if i != 2]
@@ -135,8 +159,27 @@ def test_ids_with_slashes_and_query_characters_link_to_their_pages(tmp_path: Pat
     async def fill() -> None:
         async with Store(db) as store:
             await store.resolve_session(SessionInfo(id=odd, key="k", run="a&b", group_id=f"run/{odd}"))
-            await store.record(CallRecord(odd, 1, "openai.chat", "m", "u", False, {}, {}, True, 200, None, [1],
-                                          [Completion(0, [2], [-0.5], "stop")], "0", "0", T0, T0))  # fmt: skip
+            await store.record(
+                CallRecord(
+                    odd,
+                    1,
+                    "openai.chat",
+                    "m",
+                    "u",
+                    False,
+                    {},
+                    {},
+                    True,
+                    200,
+                    None,
+                    [1],
+                    [Completion(0, [2], [-0.5], "stop")],
+                    "0",
+                    "0",
+                    T0,
+                    T0,
+                )
+            )
 
     asyncio.run(fill())
     with AppThread(create_app(db, decode=lambda ids: [str(i) for i in ids])) as viewer:

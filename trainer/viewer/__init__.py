@@ -9,8 +9,8 @@ fetched from elsewhere. Off loopback, or behind a forwarder, it asks for the adm
 proxy's admin API does (a browser sends it as the password of basic auth).
 
 It sits in the trainer package because it shows what the trainer trains on: a group's rewards
-and advantages are the trainer's (trainer/groups.py, trainer/grpo.py), with the defaults of a
-run's config (failure_reward 0, group mean baseline, group std scale).
+and advantages are those the trainer stored when it took the group, or, before that, what the
+one rule (recorder/episodes.py) gives with the run's stored settings (trainer/groups.py).
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ from proxy.settings import Settings
 from recorder.errors import StoreError, StoreValueError
 from recorder.store import Store
 from recorder.trajectories import WINDOW, TrainingSequence, build_sequences
-from trainer.config import TrainSection
-from trainer.groups import episode_reward
-from trainer.grpo import advantages
+from trainer.groups import group_view
 from trainer.loop import read_metrics
 
 HERE = Path(__file__).parent
@@ -51,7 +49,7 @@ def token_decoder(model: str) -> Decode:
     """Each token id's own text, from the model's tokenizer (each id decoded once, then cached)."""
     from transformers import AutoTokenizer
 
-    from proxy.vllm import resolve_model
+    from proxy.model import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(model)[0])
     known: dict[int, str] = {}
@@ -97,23 +95,29 @@ def chart(title: str, series: dict[str, list[tuple[float, float]]], unit: Litera
         return f"{v:.0%}" if unit == "%" else f"{v:g}"
 
     colours = ["#2563eb", "#dc2626", "#16a34a", "#9333ea"]
-    parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img"><title>{Markup.escape(title)}</title>',
-             f'<text x="{pad}" y="14" class="ct">{Markup.escape(title)}</text>',
-             f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" class="ax"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" class="ax"/>',
-             f'<text x="2" y="{height - pad}" class="cl">{label(y0)}</text>',
-             f'<text x="2" y="{pad + 4}" class="cl">{label(y1)}</text>',
-             f'<text x="{pad}" y="{height - pad + 14}" class="cl">step {x0:g}</text>',
-             f'<text x="{width - pad}" y="{height - pad + 14}" class="cl" text-anchor="end">{x1:g}</text>']  # fmt: skip
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {width} {height}" role="img"><title>{Markup.escape(title)}</title>',
+        f'<text x="{pad}" y="14" class="ct">{Markup.escape(title)}</text>',
+        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" class="ax"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" class="ax"/>',
+        f'<text x="2" y="{height - pad}" class="cl">{label(y0)}</text>',
+        f'<text x="2" y="{pad + 4}" class="cl">{label(y1)}</text>',
+        f'<text x="{pad}" y="{height - pad + 14}" class="cl">step {x0:g}</text>',
+        f'<text x="{width - pad}" y="{height - pad + 14}" class="cl" text-anchor="end">{x1:g}</text>',
+    ]
     for k, (name, line) in enumerate(series.items()):
         colour = colours[k % len(colours)]
         if line:
             at = [xy(p) for p in line]
-            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
-                         f'points="{" ".join(f"{x},{y}" for x, y in at)}"/>')  # fmt: skip
+            parts.append(
+                f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
+                f'points="{" ".join(f"{x},{y}" for x, y in at)}"/>'
+            )
             parts += [f'<circle cx="{x}" cy="{y}" r="2.2" fill="{colour}"/>' for x, y in at if len(at) < 40]
-        parts.append(f'<text x="{pad + 150 * k}" y="{height - 4}" class="cl" fill="{colour}">'
-                     f'&#9632; {Markup.escape(name)}</text>')  # fmt: skip
+        parts.append(
+            f'<text x="{pad + 150 * k}" y="{height - 4}" class="cl" fill="{colour}">'
+            f"&#9632; {Markup.escape(name)}</text>"
+        )
     return Markup("".join(parts) + "</svg>")
 
 
@@ -126,20 +130,32 @@ def run_charts(runs: Path | None) -> list[tuple[str, Markup, Markup]]:
         if not metrics.is_file():
             continue
         steps, evals = read_metrics(metrics)
-        rewards = chart("reward per step", {
-            "rollouts": [(r["step"], r["rollout_reward"]) for r in steps if r.get("rollout_reward") is not None],
-            "trained groups": [(r["step"], r["reward"]) for r in steps],
-        })  # fmt: skip
-        success = chart("held-out success", {
-            "sampled": [(r["step"], r["heldout_success"]) for r in evals],
-            "greedy": [(r["step"], r["heldout_success_greedy"]) for r in evals if "heldout_success_greedy" in r],
-        }, unit="%")  # fmt: skip
+        rewards = chart(
+            "reward per step",
+            {
+                "rollouts": [(r["step"], r["rollout_reward"]) for r in steps if r.get("rollout_reward") is not None],
+                "trained groups": [(r["step"], r["reward"]) for r in steps],
+            },
+        )
+        success = chart(
+            "held-out success",
+            {
+                "sampled": [(r["step"], r["heldout_success"]) for r in evals],
+                "greedy": [(r["step"], r["heldout_success_greedy"]) for r in evals if "heldout_success_greedy" in r],
+            },
+            unit="%",
+        )
         found.append((str(metrics.parent.relative_to(runs) if metrics.parent != runs else runs.name), rewards, success))
     return found
 
 
-def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, host: str = "127.0.0.1",
-               admin_token: str | None = None) -> FastAPI:  # fmt: skip
+def create_app(
+    db: str,
+    runs: Path | None = None,
+    decode: Decode | None = None,
+    host: str = "127.0.0.1",
+    admin_token: str | None = None,
+) -> FastAPI:
     """The viewer of the store at `db`; `decode` gives each token id's text (default: the default
     model's tokenizer); `host` and `admin_token` decide who may look, as for the proxy."""
     settings = Settings(db=db, host=host, admin_token=admin_token)
@@ -183,15 +199,32 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
         desc: bool = False,
         page: int = Query(0, ge=0, le=1_000_000),
     ) -> Response:
-        filters: dict[str, Any] = {"run": run or None, "task_id": task or None, "group_id": group or None,
-                   "status": status or None, "min_reward": min_reward, "max_reward": max_reward}  # fmt: skip
+        filters: dict[str, Any] = {
+            "run": run or None,
+            "task_id": task or None,
+            "group_id": group or None,
+            "status": status or None,
+            "min_reward": min_reward,
+            "max_reward": max_reward,
+        }
         sessions = await store.list_sessions(**filters, sort=sort, descending=desc, offset=page * PAGE, limit=PAGE)
         total = await store.count_sessions(**filters)
         query = {k: v for k, v in request.query_params.items() if k != "page" and v != ""}
-        return templates.TemplateResponse(request, "index.html", {
-            "runs": await store.runs(), "charts": run_charts(runs), "sessions": sessions, "total": total,
-            "page": page, "pages": max(1, math.ceil(total / PAGE)), "query": query, "sort": sort, "desc": desc,
-        })  # fmt: skip
+        return templates.TemplateResponse(
+            request,
+            "index.html",
+            {
+                "runs": await store.runs(),
+                "charts": run_charts(runs),
+                "sessions": sessions,
+                "total": total,
+                "page": page,
+                "pages": max(1, math.ceil(total / PAGE)),
+                "query": query,
+                "sort": sort,
+                "desc": desc,
+            },
+        )
 
     @app.get("/sessions/{session_id:path}", response_class=HTMLResponse)
     async def session(request: Request, session_id: str) -> Response:
@@ -204,31 +237,39 @@ def create_app(db: str, runs: Path | None = None, decode: Decode | None = None, 
         decode = request.app.state.decode
         sequences = [(q, tokens(q, decode), breaks.get(q.spans[0].seq) if q.spans else None) for q in report.sequences]
         # Each side's window, and where in it the two first differ.
-        windows = {b.seq: (decode(b.expected), decode(b.found), min(b.at or 0, WINDOW))
-                   for b in report.breaks if b.expected or b.found}  # fmt: skip
-        return templates.TemplateResponse(request, "session.html", {
-            "s": info, "calls": calls, "report": report, "sequences": sequences, "windows": windows,
-            "rewards": await store.rewards(session_id), "as_json": _as_json,
-        })  # fmt: skip
+        windows = {
+            b.seq: (decode(b.expected), decode(b.found), min(b.at or 0, WINDOW))
+            for b in report.breaks
+            if b.expected or b.found
+        }
+        return templates.TemplateResponse(
+            request,
+            "session.html",
+            {
+                "s": info,
+                "calls": calls,
+                "report": report,
+                "sequences": sequences,
+                "windows": windows,
+                "rewards": await store.rewards(session_id),
+                "as_json": _as_json,
+            },
+        )
 
     @app.get("/groups/{group_id:path}", response_class=HTMLResponse)
     async def group(request: Request, group_id: str) -> Response:
-        sessions = await store.list_sessions(group_id=group_id)
-        if not sessions:
+        view = await group_view(store, group_id)
+        if view is None:
             return PlainTextResponse(f"no group {group_id!r} in this store", 404)
         decode, episodes = request.app.state.decode, []
-        for s in sessions:
+        for s, reward, advantage, why in view.episodes:
             calls = [c async for c in store.iter_calls(s.id)]
             last = next((c for c in reversed(calls) if c.completions), None)
             answer = "".join(decode(last.completions[0].token_ids)) if last else ""
-            episodes.append((s, *episode_reward(s, calls, TrainSection().failure_reward), answer))
-        scored = [reward for _, reward, _, _ in episodes if reward is not None]
-        trained = len(scored) >= 2 and max(scored) != min(scored)
-        values = iter(advantages(scored) if trained else [])
-        rows = [(s, reward, why, next(values) if trained and reward is not None else None, answer)
-                for s, reward, why, answer in episodes]  # fmt: skip
-        return templates.TemplateResponse(request, "group.html", {"group": group_id, "episodes": rows,
-                                                                  "trained": trained})  # fmt: skip
+            episodes.append((s, reward, why, advantage, answer))
+        return templates.TemplateResponse(
+            request, "group.html", {"group": group_id, "episodes": episodes, "view": view}
+        )
 
     return app
 

@@ -32,8 +32,11 @@ MAX_TURNS = 3
 CALC = re.compile(r"CALC:\s*([-+*/() 0-9.]+)")
 ANSWER = re.compile(r"ANSWER:\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 BINARY: dict[type, Callable[[float, float], float]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-}  # fmt: skip
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 
 
 def calculate(expression: str) -> str:
@@ -61,9 +64,11 @@ async def agent(client: Any, task: Any, model: str) -> str:
     reply = ""
     for _ in range(MAX_TURNS):
         answer = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=int(task.data.get("max_tokens", 40)),
+            model=model,
+            messages=messages,
+            max_tokens=int(task.data.get("max_tokens", 40)),
             temperature=float(task.data.get("temperature", 1.0)),
-        )  # fmt: skip
+        )
         reply = answer.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": reply})
         if found := ANSWER.search(reply):

@@ -1,0 +1,272 @@
+"""The store's reads: sessions (filtered, sorted, paged and counted in SQL), runs, rewards,
+calls in batches, and what the trainer stored of its runs and groups. Plain queries on the async
+engine; `Store` (store.py) adds the writing and the session look-ups by key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar, get_args
+
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import case, func, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from recorder.episodes import EpisodeOutcome, RewardRule, Sampling, SessionStatus
+from recorder.errors import store_error, translated
+from recorder.records import CallRecord, Completion, SessionInfo
+from recorder.schema import CallRow, CompletionRow, GroupRow, RewardRow, RunRow, SessionRow
+
+log = logging.getLogger("rl_proxy.recorder")
+
+
+def session_info(row: SessionRow, reward: float | None = None, calls: int = 0, failures: int = 0) -> SessionInfo:
+    return SessionInfo(
+        id=row.id,
+        key=row.key,
+        run=row.run,
+        task_id=row.task_id,
+        group_id=row.group_id,
+        metadata=dict(row.meta or {}),
+        status=row.status if row.status in get_args(SessionStatus) else "ended",  # type: ignore[arg-type]
+        created_at=row.created_at,
+        ended_at=row.ended_at,
+        reward=reward,
+        calls=calls,
+        outcome=_valid(EpisodeOutcome, row.outcome, row.id),
+        sampling=_valid(Sampling, row.sampling, row.id),
+        upstream_failures=failures,
+    )
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _valid(model: type[M], value: dict[str, Any] | None, session_id: str) -> M | None:
+    """A stored episode field read back; one that does not validate (written by hand, or by a
+    bug) is left out with a warning, so that one bad session never stops a run or a page."""
+    if value is None:
+        return None
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        log.warning("session %r: its stored %s is not valid and is ignored: %s", session_id, model.__name__, exc)
+        return None
+
+
+_CALL_FIELDS = [f for f in CallRecord.__dataclass_fields__ if f != "completions"]
+
+
+def _call_record(row: Any, completions: list[Completion]) -> CallRecord:
+    fields = {name: row[name] for name in _CALL_FIELDS}
+    fields["rewrites"] = fields["rewrites"] or {}
+    fields["token_in"] = bool(fields["token_in"])  # None: written before version 6
+    return CallRecord(**fields, completions=completions)
+
+
+class Reads:
+    """Read queries over `engine`; sessions as `SessionInfo` with their reward, calls and
+    upstream failures counted."""
+
+    engine: AsyncEngine
+    _sessions: async_sessionmaker[AsyncSession]
+
+    @translated
+    async def get_session(self, session_id: str) -> SessionInfo | None:
+        sessions = await self.list_sessions(session_id=session_id)
+        return sessions[0] if sessions else None
+
+    @staticmethod
+    def _reward_of_session() -> Any:
+        return (
+            select(func.sum(RewardRow.value))
+            .where(RewardRow.session_id == SessionRow.id, RewardRow.call_seq.is_(None))
+            .scalar_subquery()
+        )
+
+    @translated
+    async def list_sessions(
+        self,
+        *,
+        run: str | None = None,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        task_id: str | None = None,
+        status: str | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        sort: str = "created",
+        descending: bool = False,
+        offset: int = 0,
+        limit: int | None = None,
+    ) -> list[SessionInfo]:
+        """Sessions that match every filter given, in `sort` order ("created", "reward", "calls",
+        "run", "task", "status"), `limit` of them from `offset`."""
+        # Correlated subqueries walk the (session_id, ...) indexes: one session costs the same
+        # however many calls the store holds (a GROUP BY over all calls did not).
+        reward = self._reward_of_session()
+        calls = select(func.count()).where(CallRow.session_id == SessionRow.id).scalar_subquery()
+        failures = (
+            select(func.count())
+            .where(CallRow.session_id == SessionRow.id, CallRow.http_status >= 500)
+            .scalar_subquery()
+        )
+        by = {
+            "created": SessionRow.created_at,
+            "reward": reward,
+            "calls": calls,
+            "run": SessionRow.run,
+            "task": SessionRow.task_id,
+            "status": SessionRow.status,
+        }[sort]
+        # Sessions without a value last either way, on SQLite as on PostgreSQL (which differ).
+        order = [by.desc().nulls_last(), SessionRow.id.desc()] if descending else [by.nulls_last(), SessionRow.id]
+        query = self._filtered(
+            select(SessionRow, reward, calls, failures),
+            reward,
+            run=run,
+            session_id=session_id,
+            group_id=group_id,
+            task_id=task_id,
+            status=status,
+            min_reward=min_reward,
+            max_reward=max_reward,
+        )
+        async with self._sessions() as s:
+            result = await s.execute(query.order_by(*order).offset(offset).limit(limit))
+            return [session_info(row, reward, n or 0, bad or 0) for row, reward, n, bad in result.all()]
+
+    @translated
+    async def count_sessions(self, **filters: Any) -> int:
+        """How many sessions match the filters of `list_sessions`."""
+        reward = self._reward_of_session()
+        query = self._filtered(select(func.count()).select_from(SessionRow), reward, **filters)
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(query)).scalar_one())
+
+    @staticmethod
+    def _filtered(
+        query: Any,
+        reward: Any,
+        *,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        **equal: str | None,
+    ) -> Any:
+        columns = {
+            "run": SessionRow.run,
+            "session_id": SessionRow.id,
+            "group_id": SessionRow.group_id,
+            "task_id": SessionRow.task_id,
+            "status": SessionRow.status,
+        }
+        for name, value in equal.items():
+            if value is not None:
+                query = query.where(columns[name] == value)
+        if min_reward is not None:
+            query = query.where(reward >= min_reward)
+        if max_reward is not None:
+            query = query.where(reward <= max_reward)
+        return query
+
+    @translated
+    async def runs(self) -> list[dict[str, Any]]:
+        """Each run: its sessions, how many ended ok, with a reward, the mean reward and how
+        many reached 1.0, and when its first and last sessions started."""
+        per_session = select(
+            SessionRow.run, SessionRow.status, SessionRow.created_at, self._reward_of_session().label("reward")
+        ).subquery()
+        reward = per_session.c.reward
+        query = (
+            select(
+                per_session.c.run,
+                func.count().label("sessions"),
+                func.sum(case((per_session.c.status == "ok", 1), else_=0)).label("ok"),
+                func.count(reward).label("rewarded"),
+                func.avg(reward).label("mean_reward"),
+                func.sum(case((reward >= 1.0, 1), else_=0)).label("successes"),
+                func.min(per_session.c.created_at).label("first"),
+                func.max(per_session.c.created_at).label("last"),
+            )
+            .group_by(per_session.c.run)
+            .order_by(func.max(per_session.c.created_at).desc())
+        )
+        async with self.engine.connect() as conn:
+            return [dict(row) for row in (await conn.execute(query)).mappings()]
+
+    @translated
+    async def rewards(self, session_id: str) -> list[tuple[str, float, int | None]]:
+        """Every reward posted for a session, in order: (source, value, call number or None)."""
+        query = (
+            select(RewardRow.source, RewardRow.value, RewardRow.call_seq)
+            .where(RewardRow.session_id == session_id)
+            .order_by(RewardRow.id)
+        )
+        async with self.engine.connect() as conn:
+            return [(source, float(value), seq) for source, value, seq in (await conn.execute(query)).all()]
+
+    @translated
+    async def call_rewards(self, session_id: str) -> dict[int, float]:
+        """Rewards posted for single calls of a session, summed per call number."""
+        query = (
+            select(RewardRow.call_seq, func.sum(RewardRow.value))
+            .where(RewardRow.session_id == session_id, RewardRow.call_seq.is_not(None))
+            .group_by(RewardRow.call_seq)
+        )
+        async with self.engine.connect() as conn:
+            return {seq: float(value) for seq, value in (await conn.execute(query)).all() if seq is not None}
+
+    @translated
+    async def stored_response(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The request and answer of a session's Responses call with this id, if the client got
+        it (CallRecord.answered: a call that cannot be trained on may still be continued)."""
+        query = select(CallRow.request, CallRow.response).where(
+            CallRow.response_id == response_id, CallRow.session_id == session_id, CallRow.http_status == 200
+        )
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+        return None if row is None or row.response is None else (row.request, row.response)
+
+    async def iter_calls(self, session_id: str | None = None, batch: int = 512) -> AsyncIterator[CallRecord]:
+        """Every recorded call (of a session, in call order; else in insertion order), read in
+        batches (bounded memory). Core queries, not ORM objects: several times faster."""
+        calls, completions = CallRow.__table__, CompletionRow.__table__
+        # One session's calls are walked on its (session_id, seq) index, all calls on the id.
+        key = calls.c.id if session_id is None else calls.c.seq
+        last = 0
+        while True:
+            query = select(calls).where(key > last).order_by(key).limit(batch)
+            if session_id is not None:
+                query = query.where(calls.c.session_id == session_id)
+            by_call: dict[int, list[Completion]] = {}
+            try:
+                async with self.engine.connect() as conn:
+                    rows = (await conn.execute(query)).mappings().all()
+                    chosen = select(completions).where(completions.c.call_id.in_([r["id"] for r in rows]))
+                    for c in (await conn.execute(chosen.order_by(completions.c.choice_index))).mappings():
+                        by_call.setdefault(c["call_id"], []).append(
+                            Completion(c["choice_index"], c["token_ids"], c["logprobs"], c["finish_reason"])
+                        )
+            except (SQLAlchemyError, OSError) as exc:
+                raise store_error(exc) from exc
+            for row in rows:
+                yield _call_record(row, by_call.get(row["id"], []))
+            if len(rows) < batch:
+                return
+            last = rows[-1][key.name]
+
+    @translated
+    async def run_settings(self, run: str) -> tuple[RewardRule, dict[str, Any]] | None:
+        """A training run's reward rule and settings, if the trainer stored them."""
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(RunRow.rule, RunRow.settings).where(RunRow.id == run))).first()
+        return None if row is None else (RewardRule.model_validate(row.rule), dict(row.settings))
+
+    @translated
+    async def trained_group(self, group: str) -> tuple[int, list[Any]] | None:
+        """(the step that took it, its episodes) if the trainer took `group`."""
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(GroupRow.step, GroupRow.episodes).where(GroupRow.id == group))).first()
+        return None if row is None else (row.step, list(row.episodes))

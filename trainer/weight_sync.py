@@ -1,0 +1,153 @@
+"""Putting new weights into running vLLM servers: the trainer is their only user.
+
+- The weight hot swap, without failing a request. On each server, in turn: `POST
+  /pause?mode=keep` (requests in flight freeze, new ones queue), `POST /collective_rpc
+  reload_weights` from the new safetensors directory, `POST /update_weight_version`, then the
+  proxy is told to read the new version (so every call that starts after `resume` is stamped
+  with it), then `POST /resume`. If a reload fails, the previous weights are loaded back
+  before resuming and SwapError names the server and the cause: the old version keeps
+  serving, never a half-loaded one. On GPU clusters vLLM's NCCL weight-transfer endpoints
+  (`init_weight_transfer_engine`, `update_weights` with `--weight-transfer-config`) skip the
+  disk round-trip: `hot_swap`'s `send` hook, which trainer/nccl.py fills (`weight_sync: nccl`).
+  They need CUDA and were not run here.
+- LoRA (`load_adapter`): each version is a runtime-loaded adapter under its own name; nothing
+  pauses, since a call keeps the adapter it started with.
+- `set_version`: name the weights a server was started with.
+
+The servers are launched with these development routes on (proxy/vllm.py), bound to 127.0.0.1,
+and the proxy never forwards them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+
+from proxy.upstream import adapter_name
+
+log = logging.getLogger("rl_proxy.weight_sync")
+
+
+class SwapError(RuntimeError):
+    """A server refused or failed the new weights; it serves the previous ones."""
+
+
+async def _post(client: httpx.AsyncClient, url: str, **kwargs: object) -> None:
+    try:
+        answer = await client.post(url, **kwargs)  # type: ignore[arg-type]
+    except httpx.HTTPError as exc:
+        raise SwapError(f"{url}: {exc!r}") from exc
+    if not answer.is_success:
+        raise SwapError(f"{url}: HTTP {answer.status_code}: {answer.text[:500]}")
+
+
+async def _reload(client: httpx.AsyncClient, root: str, weights: Path) -> None:
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights.resolve())}}
+    await _post(client, f"{root}/collective_rpc", json=body)
+
+
+async def hot_swap(
+    roots: list[str],
+    weights: Path,
+    version: str,
+    previous: Path,
+    announce: Callable[[], Awaitable[None]] | None = None,
+    send: Callable[[str], Awaitable[None]] | None = None,
+) -> float:
+    """Swap `weights` in as `version` on every server (root URLs, without /v1); `previous` is
+    loaded back if a reload fails (if that fails too, the server is left paused: it would serve
+    unknown weights). `announce` runs while paused, after the version is set. `send(root)`
+    loads the weights another way than from disk (NCCL, trainer/nccl.py); if it fails, the
+    server is left paused. Returns the longest time a server was paused, in seconds."""
+    if send is None and not (weights / "model.safetensors").exists() and not any(weights.glob("*.safetensors")):
+        raise SwapError(f"{weights}: no safetensors weights to load")
+    longest = 0.0
+    # A connection of its own per request: vLLM drops a connection after a failed RPC.
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for root in roots:
+            start = time.perf_counter()
+            await _post(client, f"{root}/pause", params={"mode": "keep"})
+            lost = False  # the previous weights could not be loaded back either: left paused
+            try:
+                try:
+                    await (_reload(client, root, weights) if send is None else send(root))
+                except SwapError as failed:
+                    if send is not None:
+                        lost = True
+                        raise SwapError(
+                            f"vLLM at {root} did not take the new weights ({failed}): it is left "
+                            "paused with weights in an unknown state; restart it"
+                        ) from failed
+                    try:
+                        await _reload(client, root, previous)
+                    except SwapError as again:
+                        lost = True
+                        raise SwapError(
+                            f"vLLM at {root} refused the weights in {weights} ({failed}) and then the "
+                            f"previous ones from {previous} ({again}): it is left paused with weights "
+                            "in an unknown state; restart it"
+                        ) from again
+                    raise SwapError(
+                        f"vLLM at {root} refused the weights in {weights} ({failed}); "
+                        f"it serves the previous ones from {previous}"
+                    ) from failed
+                await _post(client, f"{root}/update_weight_version", json={"new_version": version})
+                if announce is not None:
+                    await announce()
+            finally:
+                if not lost:
+                    await _post(client, f"{root}/resume")
+            longest = max(longest, time.perf_counter() - start)
+    return longest
+
+
+async def load_adapter(
+    roots: list[str],
+    adapter: Path,
+    model: str,
+    version: str,
+    announce: Callable[[], Awaitable[None]] | None = None,
+    retire: str | None = None,
+) -> float:
+    """Load the LoRA `adapter` into every server as `version` of `model` (named by
+    `adapter_name`), set the weight version to match and `announce` it: calls from then on go
+    to it (proxy/upstream.py), and calls already running finish on the adapter they started
+    with. Nothing pauses. The adapter of version `retire` is then unloaded. Returns the seconds
+    until the new version was announced."""
+    if not (adapter / "adapter_config.json").exists():
+        raise SwapError(f"{adapter}: no LoRA adapter (adapter_config.json) to load")
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        body = {"lora_name": adapter_name(model, version), "lora_path": str(adapter.resolve()), "load_inplace": True}
+        for root in roots:
+            try:
+                await _post(client, f"{root}/v1/load_lora_adapter", json=body)
+            except SwapError as exc:
+                raise SwapError(
+                    f"vLLM at {root} did not load the adapter ({exc}); it takes adapters at runtime when "
+                    "started with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                    "(the proxy's max_lora_rank does this for the vLLM it launches)"
+                ) from exc
+        for root in roots:
+            await _post(client, f"{root}/update_weight_version", json={"new_version": version})
+        if announce is not None:
+            await announce()
+        announced = time.perf_counter() - start
+        if retire is not None:
+            old = {"lora_name": adapter_name(model, retire)}
+            for root in roots:
+                try:
+                    await _post(client, f"{root}/v1/unload_lora_adapter", json=old)
+                except SwapError as exc:  # already gone (a restarted vLLM): nothing to free
+                    log.info("adapter of version %s not unloaded from %s: %s", retire, root, exc)
+    return announced
+
+
+async def set_version(root: str, version: str) -> None:
+    """Name the weights a server was started with (no reload)."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        await _post(client, f"{root}/update_weight_version", json={"new_version": version})
