@@ -1,7 +1,7 @@
 """Proxy overhead benchmark (`make bench`): rl-proxy and a LiteLLM proxy side by side.
 
 All targets answer the same request from the same fixed-latency STUB upstream
-(tests/support/stub_upstream.py, not vLLM), so what differs is each proxy's own cost:
+(benchmarks/support/stub_upstream.py, not vLLM), so what differs is each proxy's own cost:
   direct    -> stub
   rl-proxy  -> stub   (recording every call into SQLite before answering)
   litellm   -> stub   (LiteLLM proxy, no database, default settings)
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.support.load import p99
+from benchmarks.support.stack import process
+from benchmarks.support.stub_upstream import MODEL
 from proxy.vllm import free_port
-from tests.support.load import p99
-from tests.support.stack import process
-from tests.support.stub_upstream import MODEL
 
 LITELLM_KEY = "sk-bench-only"
 ASK = "Say hello in five words."
@@ -89,7 +89,7 @@ def main() -> None:
     py, litellm = sys.executable, str(Path(sysconfig.get_path("scripts")) / "litellm")
     with (
         process(
-            [py, "-m", "tests.support.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
+            [py, "-m", "benchmarks.support.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
             f"{stub}/models",
             work / "stub.log",
         ),

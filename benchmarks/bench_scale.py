@@ -26,8 +26,8 @@ from typing import Any
 
 from benchmarks.bench_episodes import EXAMPLE, bench_vllm
 from benchmarks.bench_train_step import example_batch
+from benchmarks.support.streams import streams_in_flight
 from harness_adapters.config import load_config
-from tests.support.streams import streams_in_flight
 from trainer.config import LORA_DEFAULTS, TrainConfig
 from trainer.run import torchrun_command
 

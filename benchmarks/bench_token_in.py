@@ -22,13 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_episodes import bench_vllm
-from proxy.app import create_app
-from proxy.server import AppThread
-from proxy.settings import Settings
-from recorder import CallRecord, Store
-from recorder.episodes import Sampling
-from recorder.trajectories import build_sequences
-from tests.support.sessions import (
+from benchmarks.support.sessions import (
     FORCED,
     anthropic_session,
     harness_session,
@@ -39,6 +33,12 @@ from tests.support.sessions import (
     think_session,
     tool_session,
 )
+from proxy.app import create_app
+from proxy.server import AppThread
+from proxy.settings import Settings
+from recorder import CallRecord, Store
+from recorder.episodes import Sampling
+from recorder.trajectories import build_sequences
 
 # Each runs one session, named by the key given (its API key; a harness's run), and answers its
 # id (None: the key is the id).

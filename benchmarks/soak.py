@@ -1,6 +1,6 @@
 """Soak and store benchmark: many sessions making multi-turn calls through `rl-proxy serve`.
 
-The upstream is the STUB (tests/support/stub_upstream.py, not vLLM) in its own process, answering after
+The upstream is the STUB (benchmarks/support/stub_upstream.py, not vLLM) in its own process, answering after
 a fixed delay: the proxy and its store are under load, not a model. Each session talks one API
 (Chat Completions whole or streamed, Anthropic Messages, or Responses chained by
 previous_response_id) and sends its whole history every turn, for episodes of 24 turns, one
@@ -23,7 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tests.support.load import KINDS, Load, p99, proxy, run_load, stack, verify
+from benchmarks.support.load import KINDS, Load, p99, proxy, run_load, stack, verify
 
 
 def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> list[dict[str, Any]]:

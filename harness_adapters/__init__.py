@@ -2,6 +2,7 @@
 
 tasks.py reads tasks; episode.py runs one episode with an adapter (command, python, OpenAI
 Agents SDK, LangChain); rewards.py scores it; runner.py runs many through the proxy's admin API;
-config.py, collect.py and cli.py are `rl-proxy collect`. examples/arithmetic is the shipped task.
-Imports the proxy (to start it for a run) and the recorder; never the trainer.
+rollouts.py groups episodes for GRPO; config.py, collect.py and cli.py are `rl-proxy collect`.
+examples/arithmetic and examples/shell are the shipped tasks. Imports the proxy (to start it for
+a run, and its typed admin client) and the recorder; never the trainer.
 """

@@ -1,5 +1,6 @@
-"""The main job until the trainer lands: vLLM + proxy on the embedded default, one recorded
-agent session driven by the real openai SDK, then where the data went.
+"""`make demo`: a short look at the proxy alone (the main job is `make train`): vLLM + proxy on
+the embedded default, one recorded agent session driven by the real openai SDK, then where the
+data went.
 
 The session is a small tool-using episode: the model is asked to add two numbers with a tool,
 the tool's result goes back, and the final answer is streamed. A reward (1 if the answer holds

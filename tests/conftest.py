@@ -2,7 +2,7 @@
 test run), proxies on free ports, and a fresh database of either kind per test.
 
 Set RLP_TEST_UPSTREAM=http://127.0.0.1:PORT/v1 to reuse a vLLM that is already running, and
-RLP_TEST_POSTGRES=postgresql://... to reuse a PostgreSQL server (see tests/support/postgres.py).
+RLP_TEST_POSTGRES=postgresql://... to reuse a PostgreSQL server (see benchmarks/support/postgres.py).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.support.postgres import postgres_bin, temp_postgres
+from benchmarks.support.stack import RunningProxy, Upstream, new_database
+from benchmarks.support.stub_upstream import stub_app
 from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from proxy.vllm import VllmServer
-from tests.support.postgres import postgres_bin, temp_postgres
-from tests.support.stack import RunningProxy, Upstream, new_database
-from tests.support.stub_upstream import stub_app
 
 
 @pytest.hookimpl(wrapper=True)

@@ -12,8 +12,8 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.support.samples import call
 from recorder import SessionInfo, Store
-from tests.support.samples import call
 from trainer.cli import app
 
 runner = CliRunner()

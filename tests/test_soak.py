@@ -9,14 +9,14 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks.support.load import KINDS, proxy, run_load, verify
+from benchmarks.support.stack import process
 from proxy.vllm import free_port
-from tests.support.load import KINDS, proxy, run_load, verify
-from tests.support.stack import process
 
 
 def test_64_sessions_multi_turn_nothing_lost_memory_flat(db: str, tmp_path: Path) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "tests.support.stub_upstream", "--port", str(port), "--latency", "0.02"]
+    cmd = [sys.executable, "-m", "benchmarks.support.stub_upstream", "--port", str(port), "--latency", "0.02"]
     with (
         process(cmd, f"http://127.0.0.1:{port}/v1/models", tmp_path / "stub.log"),
         proxy(f"http://127.0.0.1:{port}/v1", db, tmp_path / "proxy.log") as (base, pid),

@@ -284,10 +284,17 @@ async def group_view(store: Store, group: str) -> GroupView | None:
     found = await store.run_settings(sessions[0].run) if sessions[0].run else None
     rule, settings = found or (RewardRule(), {"temperature": 1.0, "defaults": {}, "allow_truncated_sampling": False})
     taken = await store.trained_group(group)
-    if taken is not None:
-        by_id = {s.id: s for s in sessions}
-        rows = [(by_id[i], reward, advantage, why) for i, reward, advantage, why in taken[1] if i in by_id]
-        return GroupView(rows, taken[0], rule)
+    if taken is None:
+        return await would_train(store, sessions, rule, settings)
+    by_id = {s.id: s for s in sessions}
+    return GroupView([(by_id[i], reward, a, why) for i, reward, a, why in taken[1] if i in by_id], taken[0], rule)
+
+
+async def would_train(
+    store: Store, sessions: list[SessionInfo], rule: RewardRule, settings: dict[str, Any]
+) -> GroupView:
+    """A group's episodes as a trainer with this rule and these settings would take them now
+    (staleness aside, which depends on the step that takes them)."""
     scored: list[tuple[SessionInfo, float | None, Why]] = []
     for s in sessions:
         episode = s.training_reward(rule)

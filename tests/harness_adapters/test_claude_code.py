@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.support.sessions import HARNESS_BIN
+from benchmarks.support.stack import Upstream
 from recorder.trajectories import build_sequences
-from tests.support.sessions import HARNESS_BIN
-from tests.support.stack import Upstream
 
 # Prompts of 4,500 to 7,600 tokens on 2 CPU cores, and the first test also waits for the shared
 # vLLM to start: Claude Code took 330 s of it on a quiet machine (2026-11-23), so these get 600 s.

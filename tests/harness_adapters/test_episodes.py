@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.support.stack import RunningProxy, Upstream
+from benchmarks.support.stub_upstream import MODEL, stub_app
 from harness_adapters.config import CollectConfig, ConfigError, load_config
 from harness_adapters.episode import (
     AgentsSdkAdapter,
@@ -32,8 +34,6 @@ from harness_adapters.runner import EpisodeResult, EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
 from proxy.server import AppThread
 from recorder.trajectories import build_sequences
-from tests.support.stack import RunningProxy, Upstream
-from tests.support.stub_upstream import MODEL, stub_app
 from trainer.cli import app
 
 HERE = Path(__file__).resolve().parent

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from benchmarks.support.stack import Upstream
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
-from tests.support.stack import Upstream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.support.stack import Upstream
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.episode import Outcome
 from harness_adapters.rewards import PythonReward
 from harness_adapters.tasks import Task, load_tasks
-from tests.support.stack import Upstream
 from trainer.config import TrainConfig
 
 SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell"

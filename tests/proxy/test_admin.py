@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.stub_upstream import MODEL
+from benchmarks.support.stub_upstream import MODEL
 
 
 def test_admin_open_on_loopback_without_token(make_proxy: Any, stub: str) -> None:

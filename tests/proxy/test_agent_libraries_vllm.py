@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.stack import RunningProxy, Upstream
+from benchmarks.support.stack import RunningProxy, Upstream
 
 pytestmark = pytest.mark.vllm
 

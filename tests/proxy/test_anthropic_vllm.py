@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.support.stack import RunningProxy, Upstream, direct_chat
+from benchmarks.support.stack import RunningProxy, Upstream, direct_chat
 
 pytestmark = pytest.mark.vllm
 

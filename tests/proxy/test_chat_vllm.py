@@ -11,8 +11,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
-from tests.support.samples import ADD_TOOL, FORCE_ADD
-from tests.support.stack import RunningProxy, Upstream, direct_chat
+from benchmarks.support.samples import ADD_TOOL, FORCE_ADD
+from benchmarks.support.stack import RunningProxy, Upstream, direct_chat
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.stack import RunningProxy, Upstream
+from benchmarks.support.stack import RunningProxy, Upstream
 
 DEV_ROUTES = [
     "/pause",

@@ -12,12 +12,12 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from benchmarks.support.stack import Upstream
+from benchmarks.support.stub_upstream import COMPLETION, MODEL, stub_app
 from proxy.server import AppThread
 from proxy.threads import NO_RENDERING
 from proxy.vllm import free_port
 from recorder.trajectories import build_sequences
-from tests.support.stack import Upstream
-from tests.support.stub_upstream import COMPLETION, MODEL, stub_app
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

@@ -26,14 +26,14 @@ import orjson
 import pytest
 from openai import APIConnectionError, APIStatusError, OpenAI
 
+from benchmarks.support.postgres import temp_postgres
+from benchmarks.support.stack import new_database, read_store
+from benchmarks.support.stub_upstream import COMPLETION, MODEL, stub_app
 from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from proxy.vllm import free_port
 from recorder import Store
-from tests.support.postgres import temp_postgres
-from tests.support.stack import new_database, read_store
-from tests.support.stub_upstream import COMPLETION, MODEL, stub_app
 
 
 def start_proxy(upstream: str, db: str, port: int, log: Path) -> subprocess.Popen[bytes]:

@@ -18,14 +18,14 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.support.stack import new_database, read_store
+from benchmarks.support.stub_upstream import COMPLETION, stub_app
 from proxy.anthropic import to_chat
 from proxy.app import create_app
 from proxy.errors import BadRequest
 from proxy.server import AppThread
 from proxy.sessions import MAX_LABEL, parse_key
 from proxy.settings import Settings
-from tests.support.stack import new_database, read_store
-from tests.support.stub_upstream import COMPLETION, stub_app
 
 EXAMPLES = int(os.environ.get("RLP_FUZZ_EXAMPLES", "15"))
 

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
+from benchmarks.support.stub_upstream import MODEL, stub_app
 from proxy.server import AppThread
 from recorder.trajectories import build_sequences
-from tests.support.stub_upstream import MODEL, stub_app
 
 ASK = [{"role": "user", "content": "Hi"}]
 

@@ -10,10 +10,10 @@ from typing import Any
 import openai
 import pytest
 
+from benchmarks.support.stack import RunningProxy, Upstream, direct_chat, read_store
 from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
-from tests.support.stack import RunningProxy, Upstream, direct_chat, read_store
 
 pytestmark = pytest.mark.vllm
 

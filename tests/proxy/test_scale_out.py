@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 import httpx
 
+from benchmarks.support.load import Load, reply, request, verify
+from benchmarks.support.stack import process
+from benchmarks.support.stub_upstream import MODEL, stub_app
 from proxy.server import AppThread
 from proxy.vllm import free_port
-from tests.support.load import Load, reply, request, verify
-from tests.support.stack import process
-from tests.support.stub_upstream import MODEL, stub_app
 
 
 def ask(proxy: Any, session: str) -> httpx.Response:
@@ -102,11 +102,11 @@ async def round_robin(bases: list[str], sessions: int, turns: int) -> Load:
 
 
 def test_two_proxy_processes_write_one_postgres_database(postgres: str, tmp_path: Path) -> None:
-    from tests.support.stack import new_database
+    from benchmarks.support.stack import new_database
 
     db = new_database(postgres)
     port = free_port()
-    stub = [sys.executable, "-m", "tests.support.stub_upstream", "--port", str(port), "--latency", "0.01"]
+    stub = [sys.executable, "-m", "benchmarks.support.stub_upstream", "--port", str(port), "--latency", "0.01"]
     upstream = f"http://127.0.0.1:{port}/v1"
     ports = [free_port(), free_port()]
     serve = [

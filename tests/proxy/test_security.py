@@ -12,10 +12,10 @@ import httpx
 from openai import OpenAI
 from sqlalchemy import create_engine, inspect, text
 
+from benchmarks.support.stub_upstream import MODEL, stub_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder.store import sync_url
-from tests.support.stub_upstream import MODEL, stub_app
 
 HI = [{"role": "user", "content": "hi"}]
 

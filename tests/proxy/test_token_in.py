@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.stub_upstream import COMPLETION, MODEL, render
+from benchmarks.support.stub_upstream import COMPLETION, MODEL, render
 
 
 def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(make_proxy: Any, stub: str) -> None:

@@ -10,10 +10,17 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from benchmarks.support.sessions import (
+    anthropic_session,
+    masked_in,
+    responses_session,
+    sampled,
+    think_session,
+    tool_session,
+)
+from benchmarks.support.stack import Upstream, direct_chat
 from recorder import CallRecord
 from recorder.trajectories import build_sequences
-from tests.support.sessions import anthropic_session, masked_in, responses_session, sampled, think_session, tool_session
-from tests.support.stack import Upstream, direct_chat
 
 pytestmark = pytest.mark.vllm
 
@@ -85,7 +92,7 @@ def test_a_template_that_strips_earlier_thinking_still_gives_one_sequence(make_p
 
 # A template that shows what vLLM's chat route hands it besides the messages.
 INPUTS = {
-    "chat_template": (Path(__file__).parents[1] / "support" / "inputs_template.jinja").read_text(),
+    "chat_template": (Path(__file__).parents[2] / "benchmarks" / "support" / "inputs_template.jinja").read_text(),
     "reasoning_effort": "low",
     "documents": [{"title": "a", "text": "b"}, {"title": "c", "text": "d"}],
 }

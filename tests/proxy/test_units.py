@@ -14,13 +14,13 @@ from typing import Any
 
 from aiohttp import web
 
+from benchmarks.support.samples import call
 from proxy.capture import Capture, client_view
 from proxy.responses import RecentResponses
 from proxy.sessions import parse_key
 from proxy.threads import Answer, Plan, Threads
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer
-from tests.support.samples import call
 
 
 def test_plain_key_names_the_session_but_a_secret_one_does_not() -> None:

@@ -14,13 +14,13 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
+from benchmarks.support.samples import call
 from proxy.state import CallNumbers
 from recorder import SessionInfo, Store
-from recorder.export import export
 from recorder.episodes import Sampling
+from recorder.export import export
 from recorder.schema import SCHEMA_VERSION, key_digest, pack, unpack
 from recorder.store import SchemaMismatch, SessionConflict, async_url
-from tests.support.samples import call
 
 DISCONNECTS = {  # what each driver raises when the server goes away (SQLAlchemy's is_disconnect)
     "postgresql": lambda: psycopg.OperationalError("server closed the connection unexpectedly"),
@@ -247,8 +247,15 @@ async def test_a_version_7_store_moves_outcomes_and_sampling_out_of_the_metadata
     async with Store(str(db)) as store:
         for sid in ("episode", "labelled"):
             await store.resolve_session(SessionInfo(id=sid, key=sid))
-    old_outcome = {"status": "timeout", "output": "", "error": "killed", "exit_code": None, "log": None,
-                   "seconds": 3.0, "reward": None}
+    old_outcome = {
+        "status": "timeout",
+        "output": "",
+        "error": "killed",
+        "exit_code": None,
+        "log": None,
+        "seconds": 3.0,
+        "reward": None,
+    }
     with sqlite3.connect(db) as conn:
         conn.execute("alter table sessions drop column outcome")
         conn.execute("alter table sessions drop column sampling")

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from benchmarks.support.samples import ADD_TOOL, FORCE_ADD
+from benchmarks.support.stack import RunningProxy, Upstream
 from recorder import CallRecord
 from recorder.trajectories import build_sequences
-from tests.support.samples import ADD_TOOL, FORCE_ADD
-from tests.support.stack import RunningProxy, Upstream
 
 pytestmark = pytest.mark.vllm
 

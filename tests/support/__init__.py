@@ -1,2 +1,2 @@
-"""What the tests share: the stub upstream, a throwaway PostgreSQL, running proxies and
-stores, the load generator and hand-built records. No test imports another test module."""
+"""What only the tests use: hand-built sequences and groups, and the step each process of a
+torchrun launch takes. What tests and benchmarks share is in benchmarks/support/."""

@@ -1,4 +1,4 @@
-"""One optimizer step of the Learner on the GRPO groups of tests/trainer/test_grpo_loss.py, in
+"""One optimizer step of the Learner on the GRPO groups of tests/support/sequences.py, in
 every process of a torchrun launch (tests/trainer/test_distributed.py). Rank 0 takes the step
 and saves the trained parameters and the step's metrics; the other ranks follow (the rank
 named by RLP_TEST_CRASH_RANK raises instead).
@@ -19,7 +19,7 @@ from pathlib import Path
 def main() -> None:
     import torch
 
-    from tests.trainer.test_grpo_loss import _groups
+    from tests.support.sequences import groups
     from trainer.grpo import Learner
 
     model, out, grpo, micro_batch = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
@@ -29,7 +29,7 @@ def main() -> None:
         raise RuntimeError(f"rank {learner.rank} crashes on purpose")
 
     def lead() -> None:
-        metrics = learner.step(_groups()[:rows])
+        metrics = learner.step(groups()[:rows])
         trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
         torch.save(trained, out / f"trained-{learner.world}.pt")
         (out / f"metrics-{learner.world}.json").write_text(json.dumps(metrics))

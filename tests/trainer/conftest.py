@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.support.stack import Upstream
 from proxy.model import resolve_model
-from tests.support.stack import Upstream
 from trainer.weight_sync import hot_swap
 
 

@@ -15,11 +15,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.stack import Upstream
+from benchmarks.support.stack import Upstream
 
 torch = pytest.importorskip("torch")
 
-from tests.trainer.test_grpo_loss import LORA, _groups  # noqa: E402
+from tests.support.sequences import LORA, groups  # noqa: E402
 from trainer.grpo import Learner  # noqa: E402
 from trainer.run import torchrun_command  # noqa: E402
 
@@ -99,7 +99,7 @@ def test_one_step_on_two_processes_equals_one_process(
     _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora, rows, launcher=launcher)
     learner = Learner(str(tiny_model), tmp_path / "one", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters() if p.requires_grad}
-    one = learner.step(_groups()[:rows])
+    one = learner.step(groups()[:rows])
     alone = {n: p.detach() for n, p in learner.model.named_parameters() if p.requires_grad}
     shared = torch.load(tmp_path / "trained-2.pt")
     assert shared.keys() == alone.keys()

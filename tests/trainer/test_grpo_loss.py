@@ -10,7 +10,6 @@ with SmolLM2's tokenizer keeps it fast.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 from recorder.episodes import advantages  # noqa: E402
-from recorder.trajectories import Span, TrainingSequence  # noqa: E402
+from tests.support.sequences import LORA, groups, sequence  # noqa: E402
 from trainer.grpo import Learner, Sample  # noqa: E402
 
 CASES = [
@@ -36,32 +35,13 @@ CASES = [
 ]
 
 
-def _sequence(rng: random.Random, turns: list[tuple[int, int]], truncated: bool = False) -> TrainingSequence:
-    """A multi-turn sequence: (context tokens, sampled tokens) per turn."""
-    ids: list[int] = []
-    mask: list[int] = []
-    logprobs: list[float] = []
-    spans = []
-    for context, sampled in turns:
-        ids += [rng.randrange(100, 5000) for _ in range(context)]
-        mask += [0] * context
-        logprobs += [0.0] * context
-        spans.append(Span(len(ids), len(ids) + sampled, len(spans), "0", "0"))
-        ids += [rng.randrange(100, 5000) for _ in range(sampled)]
-        mask += [1] * sampled
-        # A random model's logprobs are about -ln(vocabulary) = -10.8: near it, so that some
-        # ratios are clipped and some not, and some sequences pass the importance caps.
-        logprobs += [-10.8 + rng.uniform(-0.4, 0.4) for _ in range(sampled)]
-    return TrainingSequence("s", 0, ids, mask, logprobs, spans, truncated)
-
-
 def _batch() -> list[Sample]:
     rng = random.Random(7)
     sequences = [
-        _sequence(rng, [(12, 5), (6, 4)]),
-        _sequence(rng, [(20, 3)]),
-        _sequence(rng, [(9, 6), (4, 2), (3, 5)]),
-        _sequence(rng, [(15, 7)], truncated=True),
+        sequence(rng, [(12, 5), (6, 4)]),
+        sequence(rng, [(20, 3)]),
+        sequence(rng, [(9, 6), (4, 2), (3, 5)]),
+        sequence(rng, [(15, 7)], truncated=True),
     ]
     return [Sample(s, a) for s, a in zip(sequences, [1.2, -0.7, 0.4, -0.9], strict=True)]
 
@@ -259,32 +239,6 @@ def test_a_step_logs_the_off_policy_gap_and_what_the_correction_capped(
         assert 0 < metrics["is_capped"] < 1  # some capped, some not: the batch is made so
 
 
-def _groups() -> list[Sample]:
-    """Three GRPO groups: each group's rows share their prompt, then go their own ways (tool
-    tokens inside, one truncated), and the groups' prompts differ in length (one is one token)."""
-    rng = random.Random(11)
-    samples = []
-    shapes = [[(0, 5), (4, 3)], [(0, 7)], [(0, 2), (3, 6)]], [[(0, 4)], [(0, 8)], [(0, 3)]], [[(0, 3)], [(0, 6)]]
-    for prompt_length, turns in zip((14, 9, 1), shapes, strict=True):  # a prompt of one token too
-        prompt = [rng.randrange(100, 5000) for _ in range(prompt_length)]
-        for n, shape in enumerate(turns):
-            rest = _sequence(rng, shape, truncated=n == 2)
-            sequence = TrainingSequence(
-                "s",
-                0,
-                prompt + rest.input_ids,
-                [0] * prompt_length + rest.loss_mask,
-                [0.0] * prompt_length + rest.logprobs,
-                [replace(span, start=span.start + prompt_length, end=span.end + prompt_length) for span in rest.spans],
-                rest.truncated,
-            )
-            samples.append(Sample(sequence, rng.uniform(-1, 1)))
-    return samples
-
-
-LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-
-
 @pytest.mark.parametrize(
     ("loss_type", "mode", "beta", "micro_batch", "lora"),
     [
@@ -318,7 +272,7 @@ def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batc
         for name, param in learner.model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.2)
-    samples = _groups()
+    samples = groups()
     passes = []
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -349,7 +303,7 @@ def test_a_shared_prompt_run_once_gives_the_loss_and_gradients_of_the_plain_batc
 def test_a_lora_learner_saves_adapters_only_and_goes_on_from_them(tiny_model: Path, tmp_path: Path) -> None:
     learner = Learner(str(tiny_model), tmp_path / "a", {}, total_steps=1, lora=LORA)
     learner.model.train()
-    learner.step(_groups())
+    learner.step(groups())
     learner.save(tmp_path / "v1")
     assert (tmp_path / "v1" / "adapter_model.safetensors").exists()
     assert not (tmp_path / "v1" / "model.safetensors").exists()

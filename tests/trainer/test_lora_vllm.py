@@ -14,12 +14,12 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from benchmarks.support.stack import RunningProxy, Upstream, read_store
+from benchmarks.support.streams import first_logprob, streams_in_flight
 from harness_adapters.config import load_config
 from proxy.upstream import adapter_name
 from proxy.vllm import VllmServer
 from recorder import CallRecord, Store
-from tests.support.stack import RunningProxy, Upstream, read_store
-from tests.support.streams import first_logprob, streams_in_flight
 from trainer.config import TrainConfig
 from trainer.grpo import Learner
 from trainer.run import train

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.support.stack import Upstream
 from harness_adapters.config import load_config
 from proxy.vllm import WEIGHT_TRANSFER_ARGS
-from tests.support.stack import Upstream
 from trainer.config import TrainConfig
 from trainer.groups import TrainError
 from trainer.nccl import plan

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from benchmarks.support.stack import RunningProxy, Upstream
+from benchmarks.support.streams import first_logprob, streams_in_flight
 from proxy.upstream import Upstreams
 from proxy.vllm import VllmServer
-from tests.support.stack import RunningProxy, Upstream
-from tests.support.streams import first_logprob, streams_in_flight
 from trainer.weight_sync import SwapError, hot_swap, set_version
 
 

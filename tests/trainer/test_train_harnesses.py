@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.support.sessions import HARNESS_BIN, SHELL
+from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.config import load_config
 from harness_adapters.rewards import PythonReward
-from tests.support.sessions import HARNESS_BIN, SHELL
-from tests.support.stack import Upstream, read_store
 from trainer.config import TrainConfig
 from trainer.run import train
 

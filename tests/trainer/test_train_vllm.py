@@ -12,13 +12,15 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.config import load_config
+from proxy.server import AppThread
 from recorder import CallRecord, Store
-from tests.support.stack import Upstream, read_store
 from trainer.cli import app
 from trainer.config import EvalSection, TrainConfig
-from trainer.groups import LoopState, TrainError
+from trainer.groups import GroupView, LoopState, TrainError, group_view, would_train
 from trainer.run import train
+from trainer.viewer import create_app
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
 
@@ -91,6 +93,38 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     resumed = [s.id for s in sessions if s.group_id in new_groups]
     calls = read_store(str(out / "rl-proxy.db"), lambda s: _calls(s, resumed))
     assert calls and "1" in {c.policy_version for c in calls} <= {"1", "2"}
+
+    # The viewer shows each group as the trainer took it; and the one rule, with the settings the
+    # run stored, gives the same advantages again (for groups where nothing was too stale: that
+    # depends on the step that took them).
+    db = str(out / "rl-proxy.db")
+    views = read_store(db, lambda s: _views(s, second.state.consumed))
+    trained = [(group, taken, again) for group, taken, again in views if taken.trained]
+    assert trained and all(taken.step is not None for _, taken, _ in trained)
+    for _, taken, again in trained:
+        if all(why != "stale" for *_, why in taken.episodes):
+            assert _advantages(again) == _advantages(taken)
+    with AppThread(create_app(db, decode=lambda ids: [str(i) for i in ids])) as viewer:
+        for group, taken, _ in trained:
+            page = httpx.get(f"{viewer.url}/groups/{group}").text
+            shown = [part.split("<", 1)[0] for part in page.split('class="advantage">')[1:]]
+            assert shown == ["-" if a is None else format(a, "+.3f") for _, _, a, _ in taken.episodes]
+
+
+async def _views(store: Store, groups: list[str]) -> list[tuple[str, GroupView, GroupView]]:
+    """Each group as the trainer took it, and as the rule with the run's stored settings gives it."""
+    views = []
+    for group in dict.fromkeys(groups):
+        taken = await group_view(store, group)
+        sessions = await store.list_sessions(group_id=group)
+        stored = await store.run_settings(str(sessions[0].run))
+        assert taken is not None and stored is not None
+        views.append((group, taken, await would_train(store, sessions, *stored)))
+    return views
+
+
+def _advantages(view: GroupView) -> list[float | None]:
+    return [None if a is None else round(a, 6) for _, _, a, _ in view.episodes]
 
 
 async def _calls(store: Store, session_ids: list[str]) -> list[CallRecord]:

@@ -14,13 +14,13 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from benchmarks.support.samples import ADD_TOOL
+from benchmarks.support.sessions import tool_session
+from benchmarks.support.stack import RunningProxy, Upstream
 from proxy.server import AppThread
 from recorder import CallRecord, Completion, SessionInfo, Store
 from recorder.episodes import EpisodeOutcome
 from recorder.trajectories import build_sequences
-from tests.support.samples import ADD_TOOL
-from tests.support.sessions import tool_session
-from tests.support.stack import RunningProxy, Upstream
 from trainer.viewer import PAGE, create_app, token_decoder
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples"

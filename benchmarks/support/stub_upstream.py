@@ -3,7 +3,7 @@
 Named as a stub everywhere it is used. It serves the proxy-overhead benchmark (where a
 fixed latency makes the proxy's own cost measurable) and fault injection in tests (slow
 answers, slow streams). Token ids are fake but well-formed: the prompt's length in ids, 8 completion ids.
-Run alone: python -m tests.support.stub_upstream --port 9000 --latency 0.02
+Run alone: python -m benchmarks.support.stub_upstream --port 9000 --latency 0.02
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any
 import anthropic
 from openai import OpenAI
 
+from benchmarks.support.samples import ADD_TOOL, FORCE_ADD
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
@@ -21,7 +22,6 @@ from harness_adapters.tasks import load_tasks
 from recorder import CallRecord
 from recorder.episodes import Sampling
 from recorder.trajectories import TrainingSequence
-from tests.support.samples import ADD_TOOL, FORCE_ADD
 from trainer.config import TrainConfig
 
 ASK = [{"role": "user", "content": "Add 2 and 3 with the add tool, then add 4 to the result."}]

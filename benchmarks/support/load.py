@@ -20,10 +20,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from benchmarks.support.postgres import temp_postgres
+from benchmarks.support.stack import new_database, process, read_store
+from benchmarks.support.stub_upstream import COMPLETION, MODEL
 from proxy.vllm import free_port
-from tests.support.postgres import temp_postgres
-from tests.support.stack import new_database, process, read_store
-from tests.support.stub_upstream import COMPLETION, MODEL
 
 KINDS = ("chat", "chat-stream", "messages", "responses")
 TURNS = 24  # per episode (session)
@@ -147,7 +147,7 @@ def stack(stores: list[str], latency: float) -> Iterator[tuple[str, dict[str, st
     work = Path(tempfile.mkdtemp(prefix="rlp-soak-"))
     port = free_port()
     with ExitStack() as stack:
-        cmd = [sys.executable, "-m", "tests.support.stub_upstream", "--port", str(port), "--latency", str(latency)]
+        cmd = [sys.executable, "-m", "benchmarks.support.stub_upstream", "--port", str(port), "--latency", str(latency)]
         stack.enter_context(process(cmd, f"http://127.0.0.1:{port}/v1/models", work / "stub.log"))
         dbs = {}
         for kind in stores:

@@ -1,0 +1,96 @@
+"""The shape of the code and the docs that describe it, checked so that neither drifts: module
+sizes, the formatter owning the layout, the proxy never importing torch, benchmarks never
+importing the tests, and docs/development.md naming every module and leaving out counts that
+would need keeping by hand."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("recorder", "proxy", "harness_adapters", "trainer")
+DEVELOPMENT = (ROOT / "docs" / "development.md").read_text()
+
+
+def _modules(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_modules_stay_small_and_the_formatter_owns_the_layout() -> None:
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _modules(*PACKAGES)}
+    assert {name: n for name, n in sizes.items() if n > 500} == {}
+    skips = sum(p.read_text().count("fmt: skip") for p in _modules(*PACKAGES))
+    assert skips < 20
+
+
+def test_the_proxy_never_imports_torch_or_vllm() -> None:
+    """Not in any module (not even inside a function), and not through what its modules import.
+    model.py's conversion of the default model is the one exception, and it runs in a child
+    process of its own (`python -m proxy.model DIR`)."""
+    heavy = {"torch", "vllm", "transformers", "trl", "peft"}
+    named = {str(p.relative_to(ROOT)): _imports(p) for p in _modules("proxy") if p.name != "model.py"}
+    assert {p: sorted(n for n in names if n.split(".")[0] in heavy) for p, names in named.items()} == {
+        p: [] for p in named
+    }
+    modules = ", ".join(f"proxy.{p.stem}" for p in _modules("proxy") if p.stem != "__init__")
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import sys, {modules}; print(sorted({{m.split('.')[0] for m in sys.modules}}))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    assert not heavy & set(ast.literal_eval(loaded))
+
+
+def test_benchmarks_never_import_the_tests_and_no_test_imports_a_test_module() -> None:
+    assert [p.name for p in _modules("benchmarks") if any(n.split(".")[0] == "tests" for n in _imports(p))] == []
+    test_modules = {
+        f"tests.{p.relative_to(ROOT / 'tests').with_suffix('').as_posix().replace('/', '.')}"
+        for p in _modules("tests")
+        if p.name.startswith("test_")
+    }
+    assert [p.name for p in _modules("tests", "benchmarks") if _imports(p) & test_modules] == []
+
+
+def test_development_md_names_every_module_and_make_bench_runs_every_benchmark() -> None:
+    layout = DEVELOPMENT[DEVELOPMENT.index("## The layout") :]
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in _modules(*PACKAGES)
+        if p.name != "__init__.py" and p.name not in layout and f"{p.parent.name}/" not in layout
+    ]
+    assert missing == []
+    benchmarks = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__"}
+    bench_target = re.search(r"^bench: install\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert bench_target is not None
+    assert benchmarks - set(re.findall(r"-m benchmarks\.(\w+)", bench_target.group(1))) == set()
+    # Counts of tests or benchmarks written by hand go stale: the runner prints them.
+    assert not re.search(r"\b\d+ (tests|benchmarks)\b", DEVELOPMENT)
+
+
+def test_imports_go_one_way() -> None:
+    """recorder <- proxy <- harness_adapters <- trainer: a lower package never imports a higher
+    one, not even inside a function."""
+    against = [
+        f"{p.relative_to(ROOT)} imports {name}"
+        for rank, package in enumerate(PACKAGES)
+        for p in _modules(package)
+        for name in _imports(p)
+        if name.split(".")[0] in PACKAGES[rank + 1 :]
+    ]
+    assert against == []
