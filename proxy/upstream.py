@@ -80,6 +80,7 @@ class Upstream:
         # Reads of the version in the order they were sent: an older read answered late (the
         # poll's, sent just before a swap) must not undo a newer one (the trainer's announce).
         self._version_reads_sent = self._version_read_applied = 0
+        self._no_version_said = False  # a /weight_info without a version is said once
         self.alive = True
 
     def note_stream_gap(self, why: str) -> None:
@@ -162,7 +163,7 @@ class Upstream:
             async with self.session.get(f"{self.root}/weight_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status == 404:
                     return False
-                version = str((await resp.json(loads=orjson.loads)).get("weight_version")) if resp.ok else None
+                answer = await resp.json(loads=orjson.loads) if resp.ok else None
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
             self._version_misses += 1
@@ -170,6 +171,13 @@ class Upstream:
             why = "weight version not read from %s (%d times in a row): %s"
             log.log(logging.WARNING if loud else logging.DEBUG, why, self.base_url, self._version_misses, exc)
             return True
+        found = answer.get("weight_version") if isinstance(answer, dict) else None
+        version = None if found is None else str(found)
+        if answer is not None and version is None and not self._no_version_said:
+            # Not the string "None": calls are recorded with no version, which training treats as
+            # unknown, and this is said once.
+            self._no_version_said = True
+            log.warning("%s/weight_info names no weight_version: calls are recorded without one", self.root)
         fresh = version is not None and read > self._version_read_applied
         # A new version may be a LoRA adapter: known before calls are stamped with it (else they
         # would go to the base model stamped as the adapter); if not, read again next time.

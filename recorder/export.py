@@ -105,14 +105,17 @@ def _message(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def sft_json(seq: TrainingSequence, calls: dict[int, CallRecord]) -> dict[str, Any] | None:
-    """The conversation of a chain: its last call's messages and the assistant's answer."""
+    """The conversation of a chain: its last call's messages and the answer the chain sampled
+    (of a call with several choices, the chain's own choice)."""
     last = calls[seq.calls[-1]]
-    choices = (last.response or {}).get("choices") or []
+    chosen = seq.spans[-1].choice if seq.spans else 0
+    choices = [c for c in (last.response or {}).get("choices") or [] if isinstance(c, dict)]
+    answer = next((c for c in choices if c.get("index", 0) == chosen), None)
     messages = last.request.get("messages")
-    if not choices or not isinstance(messages, list) or "message" not in choices[0]:
+    if answer is None or not isinstance(messages, list) or "message" not in answer:
         return None
     return {
-        "messages": [_message(m) for m in [*messages, choices[0]["message"]]],
+        "messages": [_message(m) for m in [*messages, answer["message"]]],
         "session_id": seq.session_id,
         "task_id": seq.task_id,
         "reward": seq.reward,

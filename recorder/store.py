@@ -61,6 +61,12 @@ class Store(Reads):
         schema version is refused."""
         self.url = async_url(url)
         self.readonly = readonly
+        engine_url = self.url
+        if readonly and make_url(self.url).get_backend_name() == "sqlite":
+            # SQLite's own read-only mode: no file created where none is, no pragma written.
+            engine_url = make_url(self.url).set(
+                database=f"file:{make_url(self.url).database}", query={"mode": "ro", "uri": "true"}
+            ).render_as_string(hide_password=False)
         options: dict[str, Any] = {
             "json_serializer": lambda obj: orjson.dumps(obj).decode(),
             "json_deserializer": orjson.loads,
@@ -69,9 +75,9 @@ class Store(Reads):
             options["connect_args"] = {"timeout": busy_timeout}
         # A server's pooled connections die with it: checked before use, so that reads recover
         # by themselves when it is back (a file cannot go away so).
-        self.engine = create_async_engine(self.url, pool_pre_ping=not self.url.startswith("sqlite"), **options)
+        self.engine = create_async_engine(engine_url, pool_pre_ping=not self.url.startswith("sqlite"), **options)
         self.write_engine = create_engine(sync_url(self.url), pool_size=1, **options)
-        if self.engine.dialect.name == "sqlite":
+        if self.engine.dialect.name == "sqlite" and not readonly:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
             event.listen(self.write_engine, "connect", _sqlite_pragmas)
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)

@@ -206,6 +206,29 @@ async def test_a_late_answer_to_an_older_version_read_does_not_undo_a_newer_one(
         await runner.cleanup()
 
 
+async def test_a_weight_info_without_a_version_records_none_not_the_string(caplog: Any) -> None:
+    """vLLM answers {"weight_version": null} before any version is set; that read "None"."""
+    app = web.Application()
+    app.router.add_get("/weight_info", lambda request: web.json_response({"weight_version": None}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    upstream = Upstream(f"http://127.0.0.1:{port}/v1", timeout=5, connect_timeout=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rl_proxy.upstream"):
+            for _ in range(3):
+                assert await upstream.refresh_version()
+        assert upstream.version is None
+        assert [r.message for r in caplog.records].count(
+            f"http://127.0.0.1:{port}/weight_info names no weight_version: calls are recorded without one"
+        ) == 1
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+
+
 async def test_streams_are_asked_for_whole_only_after_a_real_gap_and_not_for_good(caplog: Any) -> None:
     whole = Capture()
     whole.add_chunk({"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [5]}], "prompt_token_ids": [1]})

@@ -109,6 +109,25 @@ async def test_one_per_call_and_filters(db: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+async def test_sft_rows_of_a_call_with_several_choices_pair_each_chain_with_its_own_answer(tmp_path: Path) -> None:
+    """Every alternative chain of an n > 1 call was paired with choice 0's answer: duplicate rows,
+    the other answers lost."""
+    db = str(tmp_path / "n.db")
+    async with Store(db) as store:
+        await store.resolve_session(SessionInfo(id="s", key="s", run="r"))
+        asked = [{"role": "user", "content": "Name a colour."}]
+        call = turn("s", 1, [1, 2, 3], [4], asked, "red")
+        answers = ["red", "green", "blue"]
+        response = {
+            "choices": [{"index": i, "message": {"role": "assistant", "content": a}} for i, a in enumerate(answers)]
+        }
+        completions = [Completion(i, [4 + i], [-0.5], "stop") for i in range(3)]
+        await store.record(replace(call, response=response, completions=completions))
+        assert await export(store, tmp_path / "sft.jsonl", kind="sft") == 3
+    rows = [orjson.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert sorted(row["messages"][-1]["content"] for row in rows) == sorted(answers)
+
+
 async def test_sft_dataset_trains_one_step_with_trl(db: str, tmp_path: Path) -> None:
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -305,3 +305,24 @@ async def test_sessions_filtered_sorted_paged_counted_and_summed_by_run(db: str)
         assert (runs["r0"]["sessions"], runs["r0"]["ok"], runs["r0"]["rewarded"]) == (3, 0, 2)
         assert float(runs["r1"]["mean_reward"]) == pytest.approx(0.6) and runs["r1"]["successes"] == 1
         assert await store.rewards("s1") == [("verifier", 0.2, None), ("judge", 9.0, 1)]
+
+
+async def test_a_read_only_store_writes_nothing_and_refuses_a_missing_one_by_name(tmp_path: Path) -> None:
+    """`Store(readonly=True)` (the viewer) opened SQLite read-write: it switched the file to WAL
+    and created an empty database where none was."""
+    missing = tmp_path / "nowhere.db"
+    with pytest.raises(SchemaMismatch, match="no rl-proxy store at"):
+        async with Store(str(missing), readonly=True):
+            pass
+    assert not missing.exists()
+    db = tmp_path / "s.db"
+    async with Store(str(db)) as store:
+        await store.resolve_session(SessionInfo(id="s", key="s"))
+    with sqlite3.connect(db) as conn:
+        conn.execute("pragma journal_mode=delete")
+    before = db.read_bytes()
+    async with Store(str(db), readonly=True) as store:
+        assert [s.id for s in await store.list_sessions()] == ["s"]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("pragma journal_mode").fetchone() == ("delete",)
+    assert db.read_bytes() == before and not (tmp_path / "s.db-wal").exists()

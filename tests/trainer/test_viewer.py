@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import html
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urljoin
 
 import httpx
 import pytest
@@ -65,7 +67,7 @@ def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(
         page.wait_for_url("**/?run=viewer*")
         assert "1 found" in page.locator("h1").nth(1).inner_text()
         page.click("text=viewer-1")
-        page.wait_for_url("**/sessions/viewer-1")
+        page.wait_for_url("**/session?id=viewer-1")
         for i, sequence in enumerate(report.sequences):
             drawn = page.locator(f"#seq-{i} .tokens .t")
             assert drawn.count() == len(sequence.input_ids)
@@ -130,9 +132,9 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
     with AppThread(app) as viewer:
         get = httpx.Client(base_url=viewer.url).get
         first = get("/").text
-        assert "120 found" in first and "page 1 of 3" in first and first.count('href="/sessions/') == PAGE
+        assert "120 found" in first and "page 1 of 3" in first and first.count('href="/session?id=') == PAGE
         last = get("/", params={"page": 2}).text
-        assert last.count('href="/sessions/') == 120 - 2 * PAGE and "s119" in last and "s000" not in last
+        assert last.count('href="/session?id=') == 120 - 2 * PAGE and "s119" in last and "s000" not in last
         best = get("/", params={"run": "run-1", "min_reward": 1, "sort": "created", "desc": "true"}).text
         # run-1 holds the odd sessions, reward 1 every fourth: s003, s007, ... s119, newest first
         assert "30 found" in best and best.index("s119") < best.index("s115")
@@ -152,13 +154,16 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
         assert advantages == pytest.approx([-0.873, -0.218, 1.091], abs=1e-3)
 
 
-def test_ids_with_slashes_and_query_characters_link_to_their_pages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("odd", ["repo/issue#12 & more?", "x/../victim", ".."])
+def test_ids_with_slashes_and_query_characters_link_to_their_pages(tmp_path: Path, odd: str) -> None:
+    """Every link, resolved as a browser resolves it (dot segments too), opens its own page: a
+    link that kept the '/' of `x/../victim` opened the session `victim`'s."""
     db = str(tmp_path / "odd.db")
-    odd = "repo/issue#12 & more?"
 
     async def fill() -> None:
         async with Store(db) as store:
-            await store.resolve_session(SessionInfo(id=odd, key="k", run="a&b", group_id=f"run/{odd}"))
+            await store.resolve_session(SessionInfo(id="victim", key="v", run="a&b"))
+            await store.resolve_session(SessionInfo(id=odd, key="k", run="a&b", task_id="t", group_id=f"run/{odd}"))
             await store.record(
                 CallRecord(
                     odd,
@@ -184,16 +189,16 @@ def test_ids_with_slashes_and_query_characters_link_to_their_pages(tmp_path: Pat
     asyncio.run(fill())
     with AppThread(create_app(db, decode=lambda ids: [str(i) for i in ids])) as viewer:
         client = httpx.Client(base_url=viewer.url)
-        index = client.get("/").text
+        index = client.get("/", params={"task": "t"}).text
         links = [
-            part.split('"', 1)[0]
+            part.split('"', 1)[0].replace("&amp;", "&")
             for part in index.split('href="')[1:]
-            if part.startswith(("/sessions/", "/groups/", "/?run"))
+            if part.startswith(("/session", "/group", "/?run"))
         ]
         assert len(links) == 3, links
         for link in links:
-            shown = client.get(link.replace("&amp;", "&"))
-            assert shown.status_code == 200 and odd.replace("&", "&amp;") in shown.text, link
+            shown = client.get(urljoin(f"{viewer.url}/", link))
+            assert shown.status_code == 200 and html.escape(odd, quote=False) in shown.text, link
 
 
 def _cells(html: str, name: str) -> list[str]:

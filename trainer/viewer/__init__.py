@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
@@ -162,6 +163,9 @@ def create_app(
     store = Store(db, readonly=True)
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.globals["fmt"] = lambda v, spec=".3f": "-" if v is None else format(v, spec)
+    # Links carry ids in the query: in a path, a '/' in an id (or an id that is '..') is a dot
+    # segment the browser resolves, and a link to `x/../victim` opened another session's page.
+    templates.env.filters["query"] = lambda value: urlencode({"id": value})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -226,6 +230,10 @@ def create_app(
             },
         )
 
+    @app.get("/session", response_class=HTMLResponse)
+    async def session_by_query(request: Request, id: str) -> Response:
+        return await session(request, id)
+
     @app.get("/sessions/{session_id:path}", response_class=HTMLResponse)
     async def session(request: Request, session_id: str) -> Response:
         info = await store.get_session(session_id)
@@ -255,6 +263,10 @@ def create_app(
                 "as_json": _as_json,
             },
         )
+
+    @app.get("/group", response_class=HTMLResponse)
+    async def group_by_query(request: Request, id: str) -> Response:
+        return await group(request, id)
 
     @app.get("/groups/{group_id:path}", response_class=HTMLResponse)
     async def group(request: Request, group_id: str) -> Response:
