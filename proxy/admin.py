@@ -18,7 +18,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, field_validator
 
-from proxy.errors import NotFound, ProxyError, Unauthorized
+from proxy.errors import Forbidden, NotFound, ProxyError, Unauthorized, require_json
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from recorder import SessionInfo
@@ -83,6 +83,8 @@ FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-for
 
 async def require_admin(request: Request) -> None:
     check_admin(request, _state(request).settings)
+    if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+        require_json(request)
 
 
 def check_admin(request: Request, settings: Settings, basic: bool = False) -> None:
@@ -91,7 +93,17 @@ def check_admin(request: Request, settings: Settings, basic: bool = False) -> No
     addressed to a loopback name (a web page that rebinds its own name to 127.0.0.1 is not).
     A best effort: a forwarder that adds none of these headers is not told apart. The token comes
     as a bearer token or, with `basic` (the viewer: what a browser can send), as the password of
-    HTTP basic auth."""
+    HTTP basic auth. A request that changes something and comes from a web page of another
+    origin (its `Origin`, or `Sec-Fetch-Site`) is refused whatever it carries: a page can send a
+    simple POST to a loopback address without a preflight."""
+    if request.method not in ("GET", "HEAD", "OPTIONS"):
+        origin, site = request.headers.get("origin"), request.headers.get("sec-fetch-site")
+        own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+        if (origin is not None and origin != own) or site in ("cross-site", "same-site"):
+            raise Forbidden(
+                f"admin requests from a web page of another origin are refused (Origin {origin!r}, "
+                f"Sec-Fetch-Site {site!r})"
+            )
     forwarded = any(name in request.headers for name in FORWARDING_HEADERS)
     host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
     local = request.client is not None and _loopback(request.client.host) and (host == "localhost" or _loopback(host))

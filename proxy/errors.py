@@ -65,6 +65,24 @@ class BodyTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class UnsupportedMediaType(ProxyError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+def require_json(request: Request) -> None:
+    """Refuse a body not sent as JSON. A web page can POST to a loopback proxy without a CORS
+    preflight only as text/plain, a form or a bare blob: read as JSON anyway, such a body
+    recorded calls into any session named in its URL."""
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json" and not kind.endswith("+json"):
+        shown = repr(kind) if kind else "no content type"
+        raise UnsupportedMediaType(
+            f"the request body must be JSON sent with 'Content-Type: application/json', and it came with {shown}"
+        )
+
+
 class BodyTimeout(ProxyError):
     status = 408
     type = "invalid_request_error"
@@ -107,6 +125,7 @@ ANTHROPIC_TYPES = {
     404: "not_found_error",
     408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
 }
 

@@ -30,6 +30,7 @@ from proxy.errors import (
     Unauthorized,
     UpstreamUnreachable,
     error_body,
+    require_json,
 )
 from proxy.sessions import parse_key, request_key
 from proxy.settings import Settings
@@ -61,7 +62,9 @@ class UpstreamError(ProxyError):
 async def read_json(request: Request, settings: Settings) -> dict[str, Any]:
     """The request body as a JSON object, or a 400/408/413 in the OpenAI error shape. A client
     that takes longer than `body_timeout` to send its body (slow loris) is answered 408 and its
-    connection closed, so stalled clients cannot pile up connections."""
+    connection closed, so stalled clients cannot pile up connections. A body not sent as JSON
+    is a 415 (`require_json`)."""
+    require_json(request)
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:

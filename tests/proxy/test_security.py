@@ -113,3 +113,40 @@ def test_settings_default_to_loopback_and_a_body_limit() -> None:
     assert settings.host == "127.0.0.1" and settings.admin_open
     assert settings.max_body_bytes == 32 * 1024 * 1024
     assert not Settings(upstream="http://x/v1", host="0.0.0.0").admin_open
+
+
+def test_web_pages_cannot_drive_a_loopback_proxy(make_proxy: Any, stub: str) -> None:
+    """A "simple" cross-site request (no preflight: text/plain, no custom header) ended sessions
+    through the admin API and recorded calls into any session named in the URL: the body was read
+    as JSON whatever its content type."""
+    proxy = make_proxy(stub)
+    sid = httpx.post(f"{proxy.url}/admin/sessions", json={"id": "ep3"}).json()["id"]
+    page = {"Content-Type": "text/plain", "Origin": "http://evil.example"}
+    ended = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", headers=page, content=b'{"status": "ok"}')
+    assert ended.status_code == 403 and "another origin" in ended.json()["error"]["message"]
+    same_host_other_port = {"Origin": "http://127.0.0.1:1", "Sec-Fetch-Site": "same-site"}
+    assert httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", headers=same_host_other_port).status_code == 403
+    assert (
+        httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 403
+    )
+    form = httpx.post(f"{proxy.url}/admin/sessions", headers={"Content-Type": "text/plain"}, content=b'{"id": "x"}')
+    assert form.status_code == 415
+    assert httpx.get(f"{proxy.url}/admin/sessions/{sid}").json()["status"] == "active"
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode()
+    for route, shape in (("chat/completions", "error"), ("messages", "type")):
+        sent = httpx.post(f"{proxy.url}/s/victim/v1/{route}", headers={"Content-Type": "text/plain"}, content=body)
+        assert sent.status_code == 415 and shape in sent.json(), sent.text
+        assert "Content-Type: application/json" in sent.text
+    bare = httpx.post(f"{proxy.url}/s/victim/v1/chat/completions", content=body)  # a blob: no content type
+    assert bare.status_code == 415 and proxy.calls() == []
+    # What every SDK sends still goes through, and so does an admin request from the proxy's own origin.
+    assert (
+        httpx.post(
+            f"{proxy.url}/s/victim/v1/chat/completions",
+            content=body,
+            headers={"Content-Type": "application/json; charset=utf-8"},
+        ).status_code
+        == 200
+    )
+    own = {"Origin": proxy.url, "Sec-Fetch-Site": "same-origin"}
+    assert httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", headers=own).json()["status"] == "ended"
