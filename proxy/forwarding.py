@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,9 +271,17 @@ class Call:
                 return body, error, exc
         return body, error, None
 
-    async def finish(self, data: dict[str, Any], status: int, translate: Callable[[dict[str, Any]], Any]) -> Any:
+    async def finish(
+        self,
+        data: dict[str, Any],
+        status: int,
+        translate: Callable[[dict[str, Any]], Any],
+        gone: Callable[[], Awaitable[bool]],
+    ) -> Any:
         """Record a whole (not streamed) answer and return it as the client gets it. One that
-        cannot be translated is recorded with its tokens and the error, and answered 502."""
+        cannot be translated is recorded with its tokens and the error, and answered 502. One
+        whose client hung up while it waited (`gone`: the ASGI disconnect) is recorded as 499,
+        its tokens kept: never delivered, so never trained on nor continued by token-in."""
         capture = Capture()
         try:
             capture.add_response(data)
@@ -283,6 +291,9 @@ class Call:
             error = f"the answer could not be translated: {exc!r}"
             await self.commit(self.record(capture, None, 502, error))
             raise Untranslatable(error) from exc
+        if await gone():
+            await self.commit(self.record(capture, answer, 499, "client disconnected before the answer"))
+            return answer
         await self.commit(self.record(capture, answer, status))
         return answer
 

@@ -208,7 +208,11 @@ async def responses(request: Request) -> Response:
         return json_response(exc.body, exc.status)
     if stream:
         return StreamingResponse(_relay(call, resp, data), media_type="text/event-stream")
-    return json_response(await call.finish(data, resp.status, lambda d: to_response(d, body, str(call.response_id))))
+    return json_response(
+        await call.finish(
+            data, resp.status, lambda d: to_response(d, body, str(call.response_id)), request.is_disconnected
+        )
+    )
 
 
 def _event(data: dict[str, Any]) -> bytes:

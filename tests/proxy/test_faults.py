@@ -366,3 +366,26 @@ def test_slow_clients_hold_up_neither_others_nor_the_store(make_proxy: Any, stub
     assert [c.response["id"] for c in proxy.calls("quick")] == quick
     [late] = proxy.calls("slow")
     assert late.ok and late.request["messages"] == [{"role": "user", "content": "slow"}]
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "messages"])
+def test_a_whole_answer_whose_client_hung_up_is_recorded_as_not_delivered(
+    make_proxy: Any, route: str, tmp_path: Path
+) -> None:
+    """Fault injection with a slow stub upstream (NOT vLLM): a client that times out while the
+    proxy waits for a whole answer never sees it. It was recorded as a 200, continued by token-in
+    and trained, and the client's retry became another sequence; now it is a 499 with its tokens
+    kept, as a stream's is."""
+    with AppThread(stub_app(latency=1.5)) as slow:
+        proxy = make_proxy(f"{slow.url}/v1")
+        body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{proxy.url}/s/gone/v1/{route}", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while not proxy.calls("gone") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [call] = proxy.calls("gone")
+        assert (call.http_status, call.ok, call.answered) == (499, False, False), call.error
+        assert call.error == "client disconnected before the answer" and call.completions[0].token_ids
+        delivered = httpx.post(f"{proxy.url}/s/kept/v1/{route}", json=body, timeout=10)
+        assert delivered.status_code == 200 and [c.http_status for c in proxy.calls("kept")] == [200]
