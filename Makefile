@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install lock train demo test soak lint fmt bench bench-train-step bench-viewer bench-scale serve
+.PHONY: install system lock train demo test soak lint fmt bench bench-train-step bench-viewer bench-scale serve
 
 install: $(STAMP)
 
@@ -47,8 +47,27 @@ train: install
 demo: install
 	$(PY) -m proxy.cli demo
 
-test: install
-	$(PY) -m pytest -q -ra --durations=15
+# The system tools the suite needs, from Debian's packages: bubblewrap (the shell example's
+# sandbox, in which the harness tests run the model's commands), chromium (the viewer's browser
+# test), postgresql (every store test runs on PostgreSQL too). Installed with apt-get as root;
+# otherwise make stops with the one command to run. `make test` then requires them
+# (RLP_REQUIRE_SYSTEM): a test never skips for want of one.
+system:
+	@missing=""; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+		else \
+			echo "make test needs these Debian packages:$$missing. Install them, then run make test again:"; \
+			echo "  sudo apt-get install -y$$missing"; exit 1; \
+		fi; \
+	fi
+
+test: install system
+	RLP_REQUIRE_SYSTEM=1 $(PY) -m pytest -q -ra --durations=15
 
 # The long soak: 64 sessions, multi-turn, 150 s on SQLite then PostgreSQL (stub upstream),
 # and the fuzz with 200 examples per route.

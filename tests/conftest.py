@@ -8,6 +8,7 @@ RLP_TEST_POSTGRES=postgresql://... to reuse a PostgreSQL server (see benchmarks/
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,13 +58,38 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
         yield Upstream(server.base_url, name, 8192, log)
 
 
+# The Debian packages of the system tools tests need; `make test` installs them (Makefile).
+SYSTEM_PACKAGES = {"bwrap": "bubblewrap", "chromium": "chromium", "initdb": "postgresql"}
+
+
+def system_tool(name: str) -> str:
+    """The path of a system tool a test needs. Missing, the test is skipped with the same message
+    everywhere, or fails where the tools are required (RLP_REQUIRE_SYSTEM=1: `make test`, CI)."""
+    found = shutil.which(name) if name != "initdb" else postgres_bin()
+    if found is None:
+        why = f"needs {name}: apt-get install {SYSTEM_PACKAGES[name]} (`make test` installs it)"
+        if os.environ.get("RLP_REQUIRE_SYSTEM"):
+            pytest.fail(f"{why}; RLP_REQUIRE_SYSTEM is set")
+        pytest.skip(why)
+    return str(found)
+
+
+@pytest.fixture
+def bwrap() -> str:
+    """bubblewrap: the shell example's sandbox, in which every harness that runs its commands runs."""
+    return system_tool("bwrap")
+
+
+@pytest.fixture
+def chromium() -> str:
+    return system_tool("chromium")
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[str]:
     """A PostgreSQL server's URL; skipped where PostgreSQL is not installed, unless required."""
-    if postgres_bin() is None and not os.environ.get("RLP_TEST_POSTGRES"):
-        if os.environ.get("RLP_REQUIRE_POSTGRES"):
-            pytest.fail("PostgreSQL is required (RLP_REQUIRE_POSTGRES) but not installed")
-        pytest.skip("PostgreSQL is not installed")
+    if not os.environ.get("RLP_TEST_POSTGRES"):
+        system_tool("initdb")
     with temp_postgres() as server:
         yield server.url
 

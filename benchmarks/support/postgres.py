@@ -2,7 +2,7 @@
 a temporary directory, loopback only, stopped and deleted afterwards.
 
 Set RLP_TEST_POSTGRES=postgresql://... to use a server that is already running instead. Where
-the binaries are missing the PostgreSQL tests are skipped, unless RLP_REQUIRE_POSTGRES=1 (CI),
+the binaries are missing the PostgreSQL tests are skipped, unless RLP_REQUIRE_SYSTEM=1 (make test),
 which makes that a failure.
 """
 

@@ -51,6 +51,7 @@ MINI = CommandAdapter(
 )
 
 
+@pytest.mark.usefixtures("bwrap")  # its commands run in the shell example's sandbox
 def test_mini_swe_agent_runs_as_an_episode_and_every_call_is_recorded(
     make_proxy: Any, vllm: Upstream, tmp_path: Path
 ) -> None:

@@ -20,10 +20,7 @@ from harness_adapters.tasks import Task, load_tasks
 from trainer.config import TrainConfig
 
 SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell"
-needs_bwrap = pytest.mark.skipif(
-    shutil.which("bwrap") is None,
-    reason="the shell example runs in bubblewrap: apt-get install bubblewrap (.ci/run does)",
-)
+needs_bwrap = pytest.mark.usefixtures("bwrap")  # the shell example runs in bubblewrap
 
 
 def _done(task: Task, workdir: Path) -> None:

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
         ("train-codex.yaml", (), {}, 120),  # under forced tool calls it never stops by itself
     ],
 )
+@pytest.mark.usefixtures("bwrap")  # its commands run in the shell example's sandbox
 def test_a_harness_tool_calling_episode_joins_one_exact_sequence(
     make_proxy: Any, vllm: Upstream, config: str, extra: tuple[str, ...], env: dict[str, str], timeout: float
 ) -> None:

@@ -32,6 +32,7 @@ def by_duration(task: Any, outcome: Any) -> float:
 @pytest.mark.parametrize(
     ("config_name", "api"), [("train-codex.yaml", "openai.responses"), ("train-claude.yaml", "anthropic.messages")]
 )
+@pytest.mark.usefixtures("bwrap")  # its commands run in the shell example's sandbox
 def test_one_step_through_the_harness(
     config_name: str, api: str, vllm: Upstream, restore: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

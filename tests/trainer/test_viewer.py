@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import html
-import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urljoin
@@ -26,15 +25,13 @@ from recorder.trajectories import build_sequences
 from trainer.viewer import PAGE, create_app, token_decoder
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples"
-CHROMIUM = shutil.which("chromium")
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(
-    proxy: RunningProxy, vllm: Upstream, tmp_path: Path
+    proxy: RunningProxy, vllm: Upstream, tmp_path: Path, chromium: str
 ) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -57,7 +54,7 @@ def test_a_tool_session_is_drawn_token_by_token_in_a_real_browser(
 
     app = create_app(proxy.db, runs=EXAMPLES, decode=token_decoder("default"))
     with AppThread(app) as viewer, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        browser = playwright.chromium.launch(executable_path=chromium)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(f"{viewer.url}/")
         assert "viewer" in page.locator("#runs").inner_text()
