@@ -14,6 +14,7 @@ from harness_adapters.collect import collect as run_collect
 from harness_adapters.config import CollectConfig, ConfigError, load_config
 from harness_adapters.runner import summary
 from harness_adapters.tasks import TaskError
+from proxy.server import stop_on_sigterm
 
 app = typer.Typer(help="Run harness episodes through the proxy.")
 console = Console()
@@ -25,6 +26,7 @@ def collect(
     upstream: Annotated[str | None, typer.Option(help="attach to this upstream instead of the config's")] = None,
 ) -> None:
     """Run a config's harness episodes through the proxy without training; print success per task."""
+    stop_on_sigterm()
     try:
         loaded = load_config(config, CollectConfig)
         if upstream:
@@ -33,6 +35,9 @@ def collect(
     except (ConfigError, TaskError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from exc
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: vLLM, the proxy and the episodes are stopped
+        console.print("stopped: the episodes that ended are in the store; the others were stopped unended")
+        raise typer.Exit(130) from exc
     table = Table(
         "task",
         "episodes",

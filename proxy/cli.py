@@ -59,8 +59,9 @@ def serve(
     )
     if settings.host not in LOOPBACK and not settings.admin_token:
         raise typer.BadParameter("binding off loopback needs --admin-token (or RLP_ADMIN_TOKEN)")
-    from proxy.server import run
+    from proxy.server import run, stop_on_sigterm
 
+    stop_on_sigterm()
     _log_setup()
     try:
         raise typer.Exit(run(settings))
@@ -77,7 +78,9 @@ def demo(
     """The main job on the embedded default: vLLM CPU + SmolLM2-135M + SQLite, one recorded
     agent session (chat, a tool call, streaming), then where the data went."""
     from proxy.demo import run_demo
+    from proxy.server import stop_on_sigterm
 
+    stop_on_sigterm()
     _log_setup()
     raise typer.Exit(run_demo(_settings(db=db, model=model)))
 

@@ -11,15 +11,16 @@ imports torch.
 from __future__ import annotations
 
 import importlib.util
-import logging
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from recorder.paths import DEFAULT_MODEL_NAME, default_model_dir
 
-log = logging.getLogger("rl_proxy.model")
+LOG_EVERY = 10.0  # seconds between progress lines when the output is not a terminal
 
 DEFAULT_MODEL = "default"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,9 +48,23 @@ def prepare_default_model(dest: Path | None = None, force: bool = False) -> Path
     if (dest / "config.json").exists() and (dest / "model.safetensors").exists() and not force:
         return dest
     _gguf_dir()  # missing: said here, by name
-    done = subprocess.run([sys.executable, "-m", "proxy.model", str(dest)], stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        raise ModelNotAvailable(f"converting {GGUF_FILE} failed:\n{done.stderr[-2000:]}")
+    tty = sys.stderr.isatty()
+    # Its progress bars on a terminal; in a log they were hundreds of updates glued on one line,
+    # so there a line every LOG_EVERY seconds instead.
+    quiet = {} if tty else {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    print(f"converting the default model ({GGUF_FILE}) into {dest}, once", flush=True)
+    start = time.monotonic()
+    child = subprocess.Popen([sys.executable, "-m", "proxy.model", str(dest)], env={**os.environ, **quiet})
+    while True:
+        try:
+            code = child.wait(LOG_EVERY)
+            break
+        except subprocess.TimeoutExpired:
+            if not tty:
+                print(f"converting the default model: {time.monotonic() - start:.0f} s", flush=True)
+    if code:
+        raise ModelNotAvailable(f"converting {GGUF_FILE} failed (exit code {code}; its output is above)")
+    print(f"default model ready in {time.monotonic() - start:.0f} s", flush=True)
     return dest
 
 
@@ -58,7 +73,6 @@ def _convert(dest: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = _gguf_dir()
-    log.info("converting %s to an HF directory at %s (once)", source / GGUF_FILE, dest)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model; a fresh model from the same config, without
@@ -89,5 +103,4 @@ def resolve_model(model: str) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     _convert(Path(sys.argv[1]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,17 @@ log = logging.getLogger("rl_proxy.server")
 # calls (tools, their own work) and clients that keep connections 5 s themselves (httpx) would
 # race the server's close and fail a request now and then.
 KEEP_ALIVE = 75
+
+
+def stop_on_sigterm() -> None:
+    """Let a supervisor's SIGTERM (systemd, Kubernetes, a job scheduler) unwind the command as
+    Ctrl-C does: Python's default ends the process at once, and what it started (vLLM in its own
+    process group, the proxy, running harness episodes) stayed behind holding memory and ports."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @contextmanager

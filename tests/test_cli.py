@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sqlite3
 import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import orjson
@@ -146,3 +150,42 @@ def test_doctor_on_the_default_model() -> None:
     assert result.exit_code == 0, result.output
     assert "drops tool calls" in result.output and "token-in" in result.output
     assert runner.invoke(app, ["doctor", "--model", "/no/such/model"]).exit_code == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_stops_the_vllm_and_the_episodes_a_command_started(tmp_path: Path) -> None:
+    """A supervisor (systemd, Kubernetes, a job scheduler) stops a job with SIGTERM. `collect`,
+    `train`, `serve` and `demo` all take it as Ctrl-C (proxy.server.stop_on_sigterm); here
+    `collect`, with its own vLLM and two harness episodes running. Before, the command died at
+    once and left its vLLM running as an orphan, with its memory and its port."""
+    import psutil
+
+    (tmp_path / "tasks.jsonl").write_text('{"id": "a", "prompt": "p"}\n{"id": "b", "prompt": "q"}\n')
+    hang = [sys.executable, "-c", "import time; time.sleep(600)"]  # an episode that runs until stopped
+    config = {
+        "run": "sigterm",
+        "tasks": "tasks.jsonl",
+        "timeout": 600,
+        "out": str(tmp_path / "out"),
+        "harness": {"type": "command", "argv": hang},
+        "proxy": {"max_model_len": 2048, "vllm_args": ["--enforce-eager"], "log_dir": str(tmp_path / "logs")},
+    }
+    (tmp_path / "collect.yaml").write_text(orjson.dumps(config).decode())  # JSON is YAML
+    command = [sys.executable, "-m", "trainer.cli", "collect", str(tmp_path / "collect.yaml")]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started: list[psutil.Process] = []
+    deadline = time.monotonic() + 480
+    while sum("time.sleep(600)" in " ".join(p.cmdline()) for p in started) < 2:  # vLLM up, episodes on
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.stdout else ""
+        time.sleep(1)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            started = psutil.Process(job.pid).children(recursive=True)
+    assert any("vllm" in " ".join(p.cmdline()) for p in started)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 130, output[-2000:]
+    assert "stopped" in output
+    left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], [" ".join(p.cmdline())[:120] for p in left]

@@ -21,6 +21,7 @@ import recorder.cli
 from harness_adapters.config import ConfigError, load_config
 from harness_adapters.tasks import TaskError
 from proxy.model import ModelNotAvailable, prepare_default_model, resolve_model
+from proxy.server import stop_on_sigterm
 from proxy.vllm import BackendError
 from recorder.errors import SchemaMismatch
 from recorder.store import Store
@@ -96,6 +97,7 @@ def train(
     from trainer.run import torchrun_command
     from trainer.run import train as run_train  # torch, TRL
 
+    stop_on_sigterm()
     try:
         loaded = load_config(config, TrainConfig)
         if processes > 1 and "WORLD_SIZE" not in os.environ:
@@ -107,8 +109,8 @@ def train(
     except (ConfigError, TaskError, TrainError, SwapError, BackendError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from exc
-    except KeyboardInterrupt as exc:
-        console.print(f"stopped; continue with: rl-proxy train {config} --resume")
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: vLLM, the proxy and the episodes are stopped
+        console.print(f"stopped; continue from the last checkpoint with: rl-proxy train {config} --resume")
         raise typer.Exit(130) from exc
 
     if result is None:  # a process other than rank 0: rank 0 reports
@@ -129,6 +131,7 @@ def train(
         f"{state.foreign} sessions not from the runner\n"
         f"metrics: {result.metrics}" + (f"\nplot: {result.plot}" if result.plot else ""),
         highlight=False,
+        soft_wrap=True,
     )
 
 

@@ -77,7 +77,8 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
         if "heldout_success" in row:
             bar.console.print(
                 f"held-out success at step {row['step']}: {row['heldout_success']:.0%} sampled, "
-                f"{row['heldout_success_greedy']:.0%} greedy"
+                f"{row['heldout_success_greedy']:.0%} greedy",
+                soft_wrap=True,
             )
             return
         rollouts = "-" if row["rollout_reward"] is None else f"{row['rollout_reward']:.2f}"
@@ -92,6 +93,7 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
         bar.console.print(
             f"step {row['step']}/{total} {line} (train {row['train_s']:.0f} s, waited {row['wait_s']:.0f} s)",
             highlight=False,
+            soft_wrap=True,  # one line in a log, however wide: rich wraps at 80 columns off a terminal
         )
 
     return bar, update
@@ -211,7 +213,7 @@ def _lead(
                     return await loop.run(eval_runner, eval_tasks)
                 bar, update = _display(config.train.steps)
                 loop.writers.append(update)
-                loop.progress = lambda line: bar.console.print(line, highlight=False)
+                loop.progress = lambda line: bar.console.print(line, highlight=False, soft_wrap=True)
                 with bar:
                     return await loop.run(eval_runner, eval_tasks)
 

@@ -326,8 +326,9 @@ def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixtu
         "wait_s": 1.0,
     }
     update(row)
-    line = capsys.readouterr().out
+    [line] = capsys.readouterr().out.splitlines()  # one line in a log: it was wrapped at 80 columns
     assert "rollout reward 0.88 (trained groups 0.50)" in line and "failed 2" in line
+    assert line.startswith("step 1/10") and line.endswith("(train 3 s, waited 1 s)")
 
 
 def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -31,3 +34,20 @@ def test_prepared_once() -> None:
     assert resolve_model("default") == (str(path), DEFAULT_MODEL_NAME)
     assert resolve_model(str(path)) == (str(path), path.name)
     assert resolve_model("org/some-hub-model") == ("org/some-hub-model", "org/some-hub-model")
+
+
+def test_converting_in_a_log_prints_lines_not_progress_bars(tmp_path: Path) -> None:
+    """`make train > log` held hundreds of progress-bar updates glued on one line (GGUF
+    conversion, weight loading); off a terminal the conversion says a line every few seconds."""
+    convert = f"import pathlib, proxy.model; proxy.model.prepare_default_model(pathlib.Path({str(tmp_path / 'm')!r}))"
+    done = subprocess.run(
+        [sys.executable, "-c", convert],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = (done.stdout + done.stderr).splitlines()
+    assert lines[0].startswith("converting the default model") and lines[-1].startswith("default model ready in")
+    assert not [line for line in lines if "\r" in line or "it/s" in line or len(line) > 200], lines
+    assert (tmp_path / "m" / "model.safetensors").stat().st_size > 400_000_000
