@@ -69,6 +69,8 @@ GRPO_KEYS = {
     "fp16",
     "seed",
     "ddp_timeout",
+    "disable_dropout",
+    "cast_lm_head_to_fp32",
 }
 
 
@@ -213,7 +215,14 @@ class Learner:
         }
         mask = batch["completion_mask"] * batch["tool_mask"]
         batch["num_items_in_batch"] = torch.tensor(float(num_items if num_items is not None else mask.sum()))
-        return self._policy_terms(batch, mask)
+        # The old-policy and reference logprobs are the policy's own probabilities: without
+        # dropout (a LoRA adapter's lora_dropout was on here, so they moved from call to call).
+        training = self.model.training
+        self.model.eval()
+        try:
+            return self._policy_terms(batch, mask)
+        finally:
+            self.model.train(training)
 
     def _policy_terms(self, batch: dict[str, Any], mask: Any) -> dict[str, Any]:
         """Old-policy and reference logprobs and the importance-sampling ratio, as TRL's

@@ -376,7 +376,8 @@ def plot(metrics_file: Path, out: Path) -> Path | None:
     greedy = [r for r in evals if r.get("heldout_success_greedy") is not None]
     ax.plot([r["step"] for r in greedy], [r["heldout_success_greedy"] for r in greedy], "s--", label="held-out, greedy")
     ax.set_xlabel("step")
-    ax.set_ylim(-0.05, 1.05)
+    shown = [r["reward"] for r in steps] + [r["rollout_reward"] for r in rollouts]
+    ax.set_ylim(min([-0.05, *(v - 0.05 for v in shown)]), max([1.05, *(v + 0.05 for v in shown)]))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

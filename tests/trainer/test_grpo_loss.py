@@ -316,6 +316,31 @@ def test_a_lora_learner_saves_adapters_only_and_goes_on_from_them(tiny_model: Pa
         torch.testing.assert_close(again[name], param, rtol=0, atol=0)
 
 
+def test_old_policy_logprobs_are_taken_without_dropout_and_dropout_settings_are_accepted(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An adapter's lora_dropout was on while the old-policy logprobs were computed, so they
+    changed from one computation to the next; and TRL's disable_dropout and cast_lm_head_to_fp32
+    could not be set."""
+    lora = {**LORA, "lora_dropout": 0.5}
+    learner = Learner(str(tiny_model), tmp_path / "a", {}, total_steps=1, lora=lora)
+    with torch.no_grad():  # a trained adapter (lora_B starts at zero, and dropout before it shows nothing)
+        for name, param in learner.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    learner.model.train()
+    first, second = (learner.inputs(groups())["old_per_token_logps"] for _ in range(2))
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert learner.model.training  # left as it was
+    from trainer.config import TrainSection
+
+    settings = {"disable_dropout": True, "cast_lm_head_to_fp32": True}
+    assert TrainSection(grpo=settings).grpo == settings
+    plain = Learner(str(tiny_model), tmp_path / "b", {**settings, "beta": 0.0}, total_steps=1)
+    dropouts = [m.p for m in plain.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert all(p == 0 for p in dropouts) and plain.model.lm_head.weight.dtype == torch.float32
+
+
 def test_completions_run_in_passes_of_like_lengths() -> None:
     from trainer.forward import length_buckets
 

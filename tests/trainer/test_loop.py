@@ -304,6 +304,25 @@ def test_staleness_counts_optimizer_steps_not_swaps(tmp_path: Path) -> None:
     assert prepared is not None and prepared[1:] == ([0.0, 1.0], [0, 0]) and state.dropped_stale == 2
 
 
+def test_the_training_plot_shows_a_negative_failure_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reward axis was clamped to [-0.05, 1.05]: a failure_reward of -1 fell off the chart."""
+    from matplotlib.figure import Figure
+
+    from trainer.loop import plot
+
+    shown: list[tuple[float, float]] = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: shown.append(fig.axes[0].get_ylim()) or savefig(fig, *a, **k)
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "reward": -1.0, "rollout_reward": -0.6}, {"step": 2, "reward": 0.2, "rollout_reward": 0.1}]
+    metrics.write_text("\n".join(json.dumps(r) for r in rows))
+    assert plot(metrics, tmp_path / "p.png") is not None
+    [(low, high)] = shown
+    assert low <= -1.0 and high >= 1.0
+
+
 def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixture[str]) -> None:
     """The trained groups' reward leaves out groups with equal rewards (all solved, say): the
     rollout reward is the headline."""
