@@ -60,9 +60,26 @@ def _arguments(value: Any) -> Any:
         return value
 
 
+def _canonical(value: Any) -> Any:
+    """A message as JSON can compare it, without `cache_control`: a caching hint that clients
+    move from message to message (Claude Code marks its latest turns) and no template renders."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def exact(message: dict[str, Any]) -> bytes:
+    """A message of the history, whole: any edit of it (its whitespace, a `name`, a
+    `tool_call_id`, an image part) means the model would see other tokens, so a new thread."""
+    return digest(("exact", orjson.dumps(_canonical(message), option=orjson.OPT_SORT_KEYS)))
+
+
 def norm(message: dict[str, Any]) -> tuple[Any, ...]:
-    """What of a chat message the model saw: role, text, tool calls (name and arguments, ids
-    aside)."""
+    """What of the model's own answer a harness echoes back and `echoes` compares: role, text
+    (trimmed), tool calls (name and arguments, ids aside). Only that echo is compared so loosely;
+    every earlier message is compared `exact`."""
     calls = tuple(
         (str(fn.get("name")), orjson.dumps(_arguments(fn.get("arguments")), option=orjson.OPT_SORT_KEYS))
         for fn in ((c.get("function") or {}) for c in message.get("tool_calls") or [] if isinstance(c, dict))
@@ -92,7 +109,7 @@ def digest(message: tuple[Any, ...]) -> bytes:
 
 @dataclass(frozen=True)
 class Thread:
-    messages: list[bytes]  # digest(norm()) of each message of the call's request
+    messages: list[bytes]  # exact() of each message of the call's request
     tools: bytes  # the request's tools, canonical
     prompt_ids: array[int]  # 4 bytes a token
     answers: list[Answer]
@@ -140,7 +157,7 @@ class Threads:
 
     def add(self, session_id: str, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]) -> None:
         """A recorded call of the session: `body` as sent upstream, its prompt ids and answers."""
-        messages = [digest(norm(m)) for m in body.get("messages") or [] if isinstance(m, dict)]
+        messages = [exact(m) for m in body.get("messages") or [] if isinstance(m, dict)]
         thread = Thread(messages, tools_key(body), array("i", prompt_ids), answers)
         threads = self._by_session.setdefault(session_id, [])
         threads.append(thread)
@@ -149,7 +166,7 @@ class Threads:
         if len(self._by_session) > self._sessions:
             self._by_session.popitem(last=False)
 
-    def _continued(self, session_id: str, messages: list[tuple[Any, ...]], tools: bytes) -> tuple[Thread, Answer] | str:
+    def _continued(self, session_id: str, messages: list[dict[str, Any]], tools: bytes) -> tuple[Thread, Answer] | str:
         """The thread (and its answer) that `messages` continue, or why none does."""
         threads = self._by_session.get(session_id)
         if not threads:
@@ -157,13 +174,13 @@ class Threads:
         why = "the conversation is not a continuation of an earlier call's"
         for thread in sorted(threads, key=lambda t: -len(t.messages)):
             n = len(thread.messages)
-            if len(messages) <= n + 1 or [digest(m) for m in messages[:n]] != thread.messages:
+            if len(messages) <= n + 1 or [exact(m) for m in messages[:n]] != thread.messages:
                 continue
             if thread.tools != tools:
                 why = "the tools or the chat template changed"
                 continue
             for answer in thread.answers:
-                if echoes(messages[n], norm(answer.message)):
+                if echoes(norm(messages[n]), norm(answer.message)):
                     return thread, answer
             why = f"message {n + 1} is not the assistant answer sampled there"
         return why
@@ -177,7 +194,7 @@ class Threads:
     async def plan(self, upstream: Upstream, session_id: str, body: dict[str, Any], seq: int = 0) -> Plan:
         """Token-in for call `seq`'s chat body bound for `upstream`: its prompt ids, or why it
         starts a thread. A second call continuing the same answer (a retry, a fork) is told so."""
-        messages = [norm(m) for m in body.get("messages") or [] if isinstance(m, dict)]
+        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
         found = self._continued(session_id, messages, tools_key(body))
         if isinstance(found, str):
             return Plan(None, found)

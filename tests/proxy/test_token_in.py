@@ -83,3 +83,39 @@ def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_sec
         "None",
         f"a fork: call {first.seq + 1} continued this answer first",
     ]
+
+
+def test_any_edit_of_a_message_the_model_did_not_sample_starts_a_new_thread(make_proxy: Any, stub: str) -> None:
+    """Only the echo of the model's own answer is compared loosely. An edit of an earlier message
+    only in its whitespace, its `name`, its `tool_call_id` or a non-text part was dropped: the call
+    continued the thread and the model saw the old tokens. A moved `cache_control` (Claude Code
+    marks its latest turns; no template renders it) still continues."""
+    proxy = make_proxy(stub)
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+    first = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+    ]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    edits = {
+        "same": lambda m: m,
+        "cache_control moved": lambda m: [m[0], {**m[1], "content": [{"type": "text", "text": "hi"}]}, *m[2:]],
+        "whitespace": lambda m: [{**m[0], "content": "be brief "}, *m[1:]],
+        "name": lambda m: [m[0], {**m[1], "name": "alice"}, *m[2:]],
+        "tool_call_id": lambda m: [*m[:3], {**m[3], "tool_call_id": "c2"}],
+        "image part": lambda m: [m[0], {**m[1], "content": [*m[1]["content"], image]}, *m[2:]],
+    }
+    joined = {}
+    for name, edit in edits.items():
+        key = {"x-api-key": f"s-edit-{name.replace(' ', '-')}"}
+        httpx.post(
+            f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": first}, headers=key
+        ).raise_for_status()
+        again = [*edit(first), {"role": "assistant", "content": "stub answer"}, {"role": "user", "content": "and?"}]
+        httpx.post(
+            f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": again}, headers=key
+        ).raise_for_status()
+        joined[name] = proxy.calls(key["x-api-key"])[-1].token_in
+    assert joined == {name: name in ("same", "cache_control moved") for name in edits}
