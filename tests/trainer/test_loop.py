@@ -396,11 +396,15 @@ def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
 def test_only_the_choice_an_episode_continued_is_trained() -> None:
     """n > 1: call 2 sampled two choices and call 3 went on from the second; the first choice's
     branch did not produce the episode's outcome. At the episode's last call, the first choice
-    is the answer."""
+    is the answer. When the chain breaks after the n > 1 call (its next prompt does not extend
+    it), the choice the next call echoes is the one (choice 0 was kept whatever the episode did)."""
     from recorder.trajectories import build_sequences
     from trainer.groups import continued
 
-    def made(seq: int, prompt: list[int], *choices: list[int]) -> CallRecord:
+    def made(seq: int, prompt: list[int], *choices: list[int], messages: list[Any] | None = None) -> CallRecord:
+        texts = [
+            {"index": i, "message": {"role": "assistant", "content": f"answer {c}"}} for i, c in enumerate(choices)
+        ]
         return CallRecord(
             session_id="s",
             seq=seq,
@@ -408,8 +412,8 @@ def test_only_the_choice_an_episode_continued_is_trained() -> None:
             model="m",
             upstream="u",
             stream=False,
-            request={},
-            response=None,
+            request={"messages": messages or []},
+            response={"choices": texts},
             ok=True,
             http_status=200,
             error=None,
@@ -422,8 +426,13 @@ def test_only_the_choice_an_episode_continued_is_trained() -> None:
         )
 
     calls = [made(1, [1, 2], [10]), made(2, [1, 2, 10, 3], [11], [20]), made(3, [1, 2, 10, 3, 20, 4], [12], [30])]
-    kept = continued(build_sequences(calls).sequences)
+    kept = continued(build_sequences(calls).sequences, calls)
     assert [[(span.seq, span.choice) for span in q.spans] for q in kept] == [[(1, 0), (2, 1), (3, 0)]]
+    ask = [{"role": "user", "content": "go"}]
+    then = [*ask, {"role": "assistant", "content": "answer [21]"}, {"role": "user", "content": "more"}]
+    broken = [made(1, [1, 2], [11], [21], messages=ask), made(2, [9, 9, 9], [12], messages=then)]
+    kept = continued(build_sequences(broken).sequences, broken)
+    assert [[(span.seq, span.choice) for span in q.spans] for q in kept] == [[(1, 1)], [(2, 0)]]
 
 
 def test_a_session_that_joined_a_group_by_its_key_is_left_out_and_counted(tmp_path: Path) -> None:
