@@ -55,6 +55,11 @@ class TrainSection(Strict):
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     grpo: dict[str, Any] = Field(default_factory=dict, description="TRL GRPOConfig fields")
     lora: dict[str, Any] | None = Field(None, description="PEFT LoraConfig fields: train adapters only")
+    weights_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="the learner's weights, whatever the checkpoint's: float32 master weights (bf16 autocast on a GPU "
+        "that has it), or bfloat16 (half their memory; small updates are lost to rounding)",
+    )
     weight_sync: Literal["disk", "nccl"] = Field(
         "disk", description="disk: safetensors that vLLM reloads; nccl: broadcast GPU to GPU (trainer/nccl.py)"
     )
@@ -91,10 +96,12 @@ class TrainSection(Strict):
         if self.weight_sync == "nccl" and self.lora is not None:
             raise ValueError("weight_sync: nccl sends whole weights; LoRA adapters go to vLLM from disk (leave it out)")
         if self.grpo.get("fp16"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("grpo: fp16 needs a GPU (on CPU, bf16 is the half precision there is)")
+            # accelerate scales fp16 losses, but this loop steps the optimizer itself: the scaler
+            # would never unscale (gradients ~65536x, every step clipped) nor skip an overflow.
+            raise ValueError(
+                "grpo: fp16 is refused: its loss scaling is not wired to this trainer's optimizer step, so "
+                "gradients would stay scaled; use bf16: true on a GPU that has it (Ampere and newer), or fp32"
+            )
         return self
 
 

@@ -111,12 +111,16 @@ class Learner:
         micro_batch: int = 8,
         reference: str | None = None,
         lora: dict[str, Any] | None = None,
+        weights_dtype: str = "float32",
     ) -> None:
         """The policy from `model_path`; with `beta`, the KL reference is `reference` (the base
         model, when `model_path` is a checkpoint resumed from) or else the policy as loaded.
         With `lora` (LoraConfig fields) only adapters on the base model `reference` are trained,
         and `model_path`, if not the base, is a saved adapter to go on from; the KL reference
-        is then the base model (the adapter disabled)."""
+        is then the base model (the adapter disabled). `weights_dtype` is what the weights are
+        kept and stepped in, whatever the checkpoint's: float32 master weights (a bf16 checkpoint
+        stepped in bf16 lost 98% of an lr 1e-6 update to rounding), with bf16 autocast where the
+        GPU has it, as TRL does; or bfloat16 to halve their memory."""
         import torch
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -127,7 +131,8 @@ class Learner:
         # unless asked for, and then enabled here (TRL's Trainer.train() would, but is not run).
         # ddp_timeout: with several processes the other ranks wait for rank 0's batches through
         # vLLM's start and every evaluation; torch's default 30 min would end the run.
-        settings = {"bf16": False, "gradient_checkpointing": False, "ddp_timeout": 7 * 86400, **grpo}
+        bf16 = not cpu and torch.cuda.is_bf16_supported()  # autocast over fp32 weights, TRL's default there
+        settings = {"bf16": bf16, "gradient_checkpointing": False, "ddp_timeout": 7 * 86400, **grpo}
         args = GRPOConfig(
             output_dir=str(out_dir),
             report_to=[],
@@ -145,7 +150,7 @@ class Learner:
         adapter = Path(model_path) if lora and (Path(model_path) / "adapter_config.json").exists() else None
         weights = reference if adapter is not None and reference else model_path
         self.tokenizer = AutoTokenizer.from_pretrained(weights)
-        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32 if cpu else "auto")
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=getattr(torch, weights_dtype))
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peft_config = None

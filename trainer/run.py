@@ -146,6 +146,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
         config.train.micro_batch,
         reference=str(base),
         lora=config.train.lora,
+        weights_dtype=config.train.weights_dtype,
     )
     if checkpoint is not None:
         learner.load_optimizer(checkpoint)

@@ -58,51 +58,61 @@ async def hot_swap(
     announce: Callable[[], Awaitable[None]] | None = None,
     send: Callable[[str], Awaitable[None]] | None = None,
 ) -> float:
-    """Swap `weights` in as `version` on every server (root URLs, without /v1); `previous` is
-    loaded back if a reload fails (if that fails too, the server is left paused: it would serve
-    unknown weights). `announce` runs while paused, after the version is set. `send(root)`
-    loads the weights another way than from disk (NCCL, trainer/nccl.py); if it fails, the
-    server is left paused. Returns the longest time a server was paused, in seconds."""
+    """Swap `weights` in as `version` on every server (root URLs, without /v1), all or none.
+    Every server is paused, every one takes the new weights, then each is given the version and
+    it is announced once (`announce`, while all are paused: no call starts on one server under
+    the new version while another serves the old), then all resume. If a server refuses the
+    weights, every server that took them loads `previous` back, all resume on the old version,
+    and SwapError names the server. A server that cannot load `previous` back either, or that
+    failed over `send` (NCCL, trainer/nccl.py: nothing to load back from), is left paused: it
+    would serve unknown weights. Returns the seconds the servers were paused."""
     if send is None and not (weights / "model.safetensors").exists() and not any(weights.glob("*.safetensors")):
         raise SwapError(f"{weights}: no safetensors weights to load")
-    longest = 0.0
+    start = time.perf_counter()
+    paused: list[str] = []
+    lost: list[str] = []  # left paused: their weights are in an unknown state
     # A connection of its own per request: vLLM drops a connection after a failed RPC.
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        for root in roots:
-            start = time.perf_counter()
-            await _post(client, f"{root}/pause", params={"mode": "keep"})
-            lost = False  # the previous weights could not be loaded back either: left paused
-            try:
+        try:
+            for root in roots:
+                await _post(client, f"{root}/pause", params={"mode": "keep"})
+                paused.append(root)
+            for taken, root in enumerate(roots):
                 try:
                     await (_reload(client, root, weights) if send is None else send(root))
                 except SwapError as failed:
-                    if send is not None:
-                        lost = True
-                        raise SwapError(
-                            f"vLLM at {root} did not take the new weights ({failed}): it is left "
-                            "paused with weights in an unknown state; restart it"
-                        ) from failed
-                    try:
-                        await _reload(client, root, previous)
-                    except SwapError as again:
-                        lost = True
-                        raise SwapError(
-                            f"vLLM at {root} refused the weights in {weights} ({failed}) and then the "
-                            f"previous ones from {previous} ({again}): it is left paused with weights "
-                            "in an unknown state; restart it"
-                        ) from again
-                    raise SwapError(
-                        f"vLLM at {root} refused the weights in {weights} ({failed}); "
-                        f"it serves the previous ones from {previous}"
-                    ) from failed
+                    lost += await _roll_back(client, roots[: taken + 1], previous, send is not None)
+                    left = (
+                        f"{lost} are left paused with weights in an unknown state; restart them"
+                        if lost
+                        else (f"every server serves the previous ones from {previous} again")
+                    )
+                    raise SwapError(f"vLLM at {root} refused the weights in {weights} ({failed}); {left}") from failed
+            for root in roots:
                 await _post(client, f"{root}/update_weight_version", json={"new_version": version})
-                if announce is not None:
-                    await announce()
-            finally:
-                if not lost:
+            if announce is not None:
+                await announce()
+        finally:
+            for root in paused:
+                if root not in lost:
                     await _post(client, f"{root}/resume")
-            longest = max(longest, time.perf_counter() - start)
-    return longest
+    return time.perf_counter() - start
+
+
+async def _roll_back(client: httpx.AsyncClient, roots: list[str], previous: Path, sent: bool) -> list[str]:
+    """Load `previous` back into `roots` (those that took the new weights, and the one that
+    refused them); the servers it could not be loaded into. Over NCCL there is nothing to load
+    back from: all of them."""
+    if sent:
+        return list(roots)
+    lost = []
+    for root in roots:
+        try:
+            await _reload(client, root, previous)
+        except SwapError as again:
+            log.error("vLLM at %s did not load the previous weights back from %s: %s", root, previous, again)
+            lost.append(root)
+    return lost
 
 
 async def load_adapter(

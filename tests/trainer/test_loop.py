@@ -266,8 +266,10 @@ def test_resuming_with_or_without_lora_against_the_checkpoint_is_refused(tmp_pat
         train(config, resume=True, progress=False)
 
 
-def test_fp16_on_cpu_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="fp16 needs a GPU"):
+def test_fp16_is_refused_by_name_on_every_device(tmp_path: Path) -> None:
+    """On a GPU accelerate scaled the loss, but the optimizer was never unscaled: gradients stayed
+    ~65536x too large and every step was clipped. Refused, as on CPU, whatever the device."""
+    with pytest.raises(ValueError, match="fp16 is refused: its loss scaling is not wired"):
         _config(tmp_path, grpo={"fp16": True})
 
 

@@ -10,12 +10,17 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from openai import AsyncOpenAI
 
 from benchmarks.support.stack import RunningProxy, Upstream
 from benchmarks.support.streams import first_logprob, streams_in_flight
+from proxy.admin_client import AdminClient
+from proxy.server import AppThread
 from proxy.upstream import Upstreams
 from proxy.vllm import VllmServer
+from trainer.loop import refresh_version
 from trainer.weight_sync import SwapError, hot_swap, set_version
 
 
@@ -36,6 +41,13 @@ async def _announce(proxy: RunningProxy) -> None:
     """What the trainer does while vLLM is paused: the proxy reads the new version."""
     async with httpx.AsyncClient() as admin:
         (await admin.post(f"{proxy.url}/admin/policy_version/refresh")).raise_for_status()
+
+
+async def _checked_announce(proxy: RunningProxy, version: str) -> None:
+    """The trainer's announce: the proxy reads the new version, and every replica must report it
+    (the announce inside a per-replica loop failed on the first of two: the other was still on 0)."""
+    async with AdminClient(proxy.url) as admin:
+        await refresh_version(admin, version)
 
 
 def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str, changed: Path, base: Path) -> None:
@@ -125,7 +137,7 @@ def test_two_replicas_pinned_swapped_and_one_lost(
 
         before = {key: ask(key) for key in home}
         roots = [u.removesuffix("/v1") for u in urls]
-        asyncio.run(hot_swap(roots, changed, "1", base, lambda: _announce(proxy)))
+        asyncio.run(hot_swap(roots, changed, "1", base, lambda: _checked_announce(proxy, "1")))
         after = {key: ask(key) for key in home}
         second.stop()
         lost = {key: ask(key) for key in home if home[key] == second.base_url}
@@ -146,3 +158,39 @@ def test_two_replicas_pinned_swapped_and_one_lost(
     assert sorted(len(v) for v in by_session.values()) == [2, 2, 2, 3, 3, 3]
     assert max(before.values()) - min(before.values()) < 1e-3  # one model on both: one answer
     assert [u["alive"] for u in health] == [True, False]
+
+
+def _refusing_replica() -> FastAPI:
+    """Fault injection (a stub, NOT vLLM): a replica that pauses, resumes and takes versions like
+    vLLM's development routes, and refuses every weight reload."""
+    app = FastAPI()
+    for route in ("/pause", "/resume", "/update_weight_version"):
+        app.post(route)(lambda: {})
+
+    @app.post("/collective_rpc")
+    def refuse() -> JSONResponse:
+        return JSONResponse({"error": "out of memory (injected)"}, 500)
+
+    return app
+
+
+def test_a_replica_that_refuses_the_weights_rolls_every_replica_back(
+    vllm: Upstream, restore: str, changed: Path, base: Path
+) -> None:
+    """All or none: the real vLLM takes the new weights, the second replica refuses them, and the
+    real one loads the previous weights back and serves them under the old version. Swapped one
+    server at a time, the first had gone on serving version 1 beside the other's 0."""
+
+    async def main(second: str) -> tuple[float, float, str, bool]:
+        await set_version(restore, "0")
+        client = AsyncOpenAI(base_url=vllm.url, api_key="unused", max_retries=0, timeout=120)
+        before = await first_logprob(client, vllm.model)
+        with pytest.raises(SwapError, match=r"refused the weights .*every server serves the previous ones"):
+            await hot_swap([restore, second], changed, "1", base)
+        after = await first_logprob(client, vllm.model)
+        version = httpx.get(f"{restore}/weight_info").json()["weight_version"]
+        return before, after, version, httpx.get(f"{restore}/is_paused").json()["is_paused"]
+
+    with AppThread(_refusing_replica()) as second:
+        before, after, version, paused = asyncio.run(main(second.url))
+    assert after == pytest.approx(before, abs=1e-4) and version == "0" and paused is False
