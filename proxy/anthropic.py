@@ -52,8 +52,32 @@ def _adapter() -> Any:
     return AnthropicAdapter()
 
 
-def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """A Messages request as a Chat Completions request, and the adapter's tool-name map."""
+# What a Messages request becomes upstream. litellm's adapter passes any other field through
+# as it came (`n: 50` past the 16-choice limit, `logit_bias`, vLLM's own sampling fields): those
+# are dropped, and recorded as dropped (rewrites), never sent to vLLM blindly.
+CHAT_FIELDS = frozenset(
+    (
+        "model",
+        "messages",
+        "max_tokens",
+        "user",
+        "stop",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "reasoning_effort",
+        "parallel_tool_calls",
+        "response_format",
+    )
+)
+
+
+def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """A Messages request as a Chat Completions request, the adapter's tool-name map, and the
+    fields dropped on the way (not Messages fields, or none that this backend samples with)."""
     check_types(body)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
@@ -73,7 +97,8 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         chat, tool_map = _adapter().translate_completion_input_params_with_tool_mapping(copy.deepcopy(body))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise BadRequest(f"cannot translate this Messages request: {exc}") from exc
-    return jsonable(chat), tool_map
+    dropped = {name: chat.pop(name) for name in list(chat) if name not in CHAT_FIELDS}
+    return jsonable(chat), tool_map, jsonable(dropped)
 
 
 def object_arguments(raw: str) -> str:
@@ -111,7 +136,7 @@ def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[
 async def messages(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings)
-    chat, tool_map = to_chat(body)
+    chat, tool_map, dropped = to_chat(body)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
     chat["stream"] = stream
@@ -119,7 +144,9 @@ async def messages(request: Request) -> Response:
     if stream:
         chat["stream_options"] = {"include_usage": True}
     call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
-    call.rewrites = await fit_to_backend(state, chat, session)
+    call.rewrites = {name: [value, None] for name, value in dropped.items()} | await fit_to_backend(
+        state, chat, session
+    )
     await call.plan_prompt(chat)
     try:
         resp, data = await open_upstream(call, "/chat/completions", chat)
@@ -274,7 +301,7 @@ async def count_tokens(request: Request) -> Response:
     """Input tokens of a Messages request, as the upstream's chat template renders them."""
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings)
-    chat, _ = to_chat({"max_tokens": 1, **body})
+    chat, _, _ = to_chat({"max_tokens": 1, **body})
     await fit_to_backend(state, chat)
     tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}
     if chat.get("tools"):

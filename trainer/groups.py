@@ -44,8 +44,24 @@ NEUTRAL_SAMPLING: dict[str, Any] = {
 }
 
 # Request fields that make vLLM sample under a grammar unless they are absent, "auto", "none" or
-# "text" (in any API's shape: Anthropic's tool_choice is {"type": "auto"}).
+# "text" (in any API's shape: Anthropic's tool_choice is {"type": "auto"}; a Responses request's
+# `text.format` is its response_format).
 GRAMMAR = ("tool_choice", "response_format", "structured_outputs")
+# vLLM's Chat Completions and Completions fields that change the distribution a token is sampled
+# from (bias, masks, forced ends, beams, watermarks, custom logits processors) when set to
+# anything but their empty default. The Messages route drops them (anthropic.CHAT_FIELDS) and
+# litellm's Responses translation does not pass them.
+RESHAPING = (
+    "logit_bias",
+    "min_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "thinking_token_budget",
+    "vllm_xargs",
+    "use_beam_search",
+    "watermarking",
+    "logits_processors",
+)
 
 # Reasons an episode has no reward at all, as against one the trainer dropped after scoring it.
 DROPPED_BEFORE_SCORING = ("infra", "unscored", "foreign", "sampling")
@@ -143,8 +159,12 @@ def sampling_refused(calls: list[CallRecord], settings: dict[str, Any]) -> str |
     defaults = {**NEUTRAL_SAMPLING, **{k: v for k, v in settings["defaults"].items() if k in NEUTRAL_SAMPLING}}
     for call in calls:
         # What the upstream was sent: the request, or what the proxy set instead (a session's sampling).
+        request = call.request
+        if call.api == "openai.responses":  # its text.format is what goes upstream as response_format
+            request = {**request, "response_format": (request.get("text") or {}).get("format")}
         sent: dict[str, Any] = {
-            k: call.rewrites[k][1] if k in call.rewrites else call.request.get(k) for k in (*NEUTRAL_SAMPLING, *GRAMMAR)
+            k: call.rewrites[k][1] if k in call.rewrites else request.get(k)
+            for k in (*NEUTRAL_SAMPLING, *GRAMMAR, *RESHAPING)
         }
         used = {k: defaults[k] if sent[k] is None else sent[k] for k in NEUTRAL_SAMPLING}
         if abs(float(used["temperature"]) - temperature) > 1e-6:
@@ -162,6 +182,7 @@ def sampling_refused(calls: list[CallRecord], settings: dict[str, Any]) -> str |
             kind = sent[k].get("type", sent[k]) if isinstance(sent[k], dict) else sent[k]
             if kind not in (None, "auto", "none", "text"):
                 changed.append(f"{k} {sent[k]!r}")
+        changed += [f"{k} {sent[k]!r}" for k in RESHAPING if sent[k] not in (None, False, 0, [], {})]
         if changed and not allow:
             return (
                 f"call {call.seq} sampled with {', '.join(changed)}: the trainer scores the whole "

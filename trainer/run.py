@@ -29,7 +29,7 @@ from trainer.groups import LoopState, TrainError, reward_rule
 from trainer.grpo import Learner
 from trainer.loop import TrainLoop, TrainSummary, latest_checkpoint, plot, refresh_version
 from trainer.nccl import NcclSync
-from trainer.weight_sync import set_version
+from trainer.weight_sync import sampling_mode_problem, set_version
 
 
 def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
@@ -174,6 +174,9 @@ def _lead(
         roots = [u.removesuffix("/v1") for u in replicas]
         names = set()  # the name the trained model is served under (LoRA adapters are named after it)
         for replica in replicas:
+            problem = sampling_mode_problem(replica.removesuffix("/v1"))
+            if problem is not None:
+                raise TrainError(problem)
             served = httpx.get(f"{replica}/models", timeout=30).json()["data"]
             here = {m["id"] for m in served if Path(m.get("root") or "") == base and not m.get("parent")}
             names |= here

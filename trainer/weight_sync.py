@@ -50,6 +50,32 @@ async def _reload(client: httpx.AsyncClient, root: str, weights: Path) -> None:
     await _post(client, f"{root}/collective_rpc", json=body)
 
 
+def sampling_mode_problem(root: str) -> str | None:
+    """Why the vLLM at `root` cannot serve a training run, if it cannot: its logprobs must be
+    those of the distribution it samples from (`--logprobs-mode processed_logprobs`; vLLM's
+    default, raw_logprobs, is wrong whenever the temperature is not 1), which it reports, with
+    its whole config, on its development route `/server_info` (the swap needs those routes too)."""
+    try:
+        answer = httpx.get(f"{root}/server_info", params={"config_format": "json"}, timeout=60)
+    except httpx.HTTPError as exc:
+        return f"vLLM at {root} did not answer /server_info: {exc!r}"
+    if answer.status_code == 404:
+        return (
+            f"vLLM at {root} has no development routes (/server_info, /pause, /collective_rpc): "
+            "start it with VLLM_SERVER_DEV_MODE=1, which the weight swap needs"
+        )
+    try:
+        mode = answer.json()["vllm_config"]["model_config"]["logprobs_mode"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"vLLM at {root} did not say its logprobs mode on /server_info ({exc!r}): {answer.text[:200]}"
+    if mode != "processed_logprobs":
+        return (
+            f"vLLM at {root} records {mode}, not the logprobs of the distribution it samples from: "
+            "restart it with --logprobs-mode processed_logprobs"
+        )
+    return None
+
+
 async def hot_swap(
     roots: list[str],
     weights: Path,

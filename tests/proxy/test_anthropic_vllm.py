@@ -138,3 +138,16 @@ def test_errors_come_in_anthropic_shape(make_proxy: Any, vllm: Upstream) -> None
     ok = httpx.post(url, json={"model": vllm.model, "max_tokens": 2, "messages": ASK}, headers=headers, timeout=60)
     assert ok.status_code == 200 and ok.json()["type"] == "message"
     assert [c.ok for c in proxy.calls("a-errors")] == [False, True]  # the 404 reached vLLM and is recorded
+
+
+def test_fields_that_are_not_messages_fields_never_reach_vllm(proxy: RunningProxy, vllm: Upstream) -> None:
+    """litellm's adapter passed unknown fields through: `n: 3` past the proxy's choice limit and
+    vLLM's own `logit_bias` reached vLLM (three choices sampled). They are dropped and recorded so."""
+    extra = {"n": 3, "logit_bias": {"42": 5.0}, "context_management": {"edits": []}}
+    reply = client(proxy, "a-extra").messages.create(
+        model=vllm.model, max_tokens=4, messages=ASK, extra_body={**GREEDY, **extra}
+    )
+    assert reply.type == "message"
+    [call] = proxy.calls("a-extra")
+    assert len(call.completions) == 1
+    assert {name: call.rewrites[name] for name in extra} == {name: [value, None] for name, value in extra.items()}

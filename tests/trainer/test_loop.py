@@ -395,6 +395,50 @@ def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
     assert allowing is not None and allowing[1] == [0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
 
 
+@pytest.mark.parametrize(
+    ("api", "request_fields", "refused"),
+    [
+        ("chat.completions", {"logit_bias": {"42": 5.0}}, "logit_bias"),
+        ("chat.completions", {"min_tokens": 8}, "min_tokens"),
+        ("chat.completions", {"allowed_token_ids": [1, 2, 3]}, "allowed_token_ids"),
+        ("chat.completions", {"bad_words": ["no"]}, "bad_words"),
+        ("chat.completions", {"thinking_token_budget": 64}, "thinking_token_budget"),
+        ("chat.completions", {"vllm_xargs": {"bias": 1}}, "vllm_xargs"),
+        ("openai.responses", {"text": {"format": {"type": "json_schema", "schema": {}}}}, "response_format"),
+        ("openai.responses", {"text": {"format": {"type": "text"}, "verbosity": "low"}}, None),
+        ("chat.completions", {"min_tokens": 0, "bad_words": [], "logit_bias": None}, None),
+    ],
+)
+def test_every_field_that_reshapes_the_sampled_distribution_is_refused(
+    api: str, request_fields: dict[str, Any], refused: str | None
+) -> None:
+    """vLLM applies these before it computes the logprobs it records, and the trainer scores the
+    whole distribution: they trained off-policy without a word. Their empty defaults are fine."""
+    from trainer.groups import sampling_refused
+
+    call = CallRecord(
+        session_id="s",
+        seq=1,
+        api=api,
+        model="m",
+        upstream="u",
+        stream=False,
+        request={"temperature": 1.0, **request_fields},
+        response=None,
+        ok=True,
+        http_status=200,
+        error=None,
+        prompt_token_ids=[1],
+        completions=[Completion(0, [2], [-0.5], "stop")],
+        policy_version="0",
+        policy_version_end="0",
+        started_at=T0,
+        finished_at=T0,
+    )
+    why = sampling_refused([call], {"temperature": 1.0, "defaults": {}, "allow_truncated_sampling": False})
+    assert (why is None) if refused is None else (why is not None and f"sampled with {refused}" in why), why
+
+
 def test_only_the_choice_an_episode_continued_is_trained() -> None:
     """n > 1: call 2 sampled two choices and call 3 went on from the second; the first choice's
     branch did not produce the episode's outcome. At the episode's last call, the first choice

@@ -21,7 +21,7 @@ from proxy.server import AppThread
 from proxy.upstream import Upstreams
 from proxy.vllm import VllmServer
 from trainer.loop import refresh_version
-from trainer.weight_sync import SwapError, hot_swap, set_version
+from trainer.weight_sync import SwapError, hot_swap, sampling_mode_problem, set_version
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +194,16 @@ def test_a_replica_that_refuses_the_weights_rolls_every_replica_back(
     with AppThread(_refusing_replica()) as second:
         before, after, version, paused = asyncio.run(main(second.url))
     assert after == pytest.approx(before, abs=1e-4) and version == "0" and paused is False
+
+
+def test_an_attached_vllm_is_checked_for_its_logprobs_mode(vllm: Upstream) -> None:
+    """With `proxy.upstream` nothing checked that the server records the logprobs of what it
+    samples: vLLM's default (raw logprobs) is wrong whenever the temperature is not 1. The real
+    server, launched as the project launches it, passes; stubs (NOT vLLM) stand for the others."""
+    assert sampling_mode_problem(vllm.url.removesuffix("/v1")) is None
+    raw = FastAPI()
+    raw.get("/server_info")(lambda: {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}}})
+    with AppThread(raw) as server:
+        assert "restart it with --logprobs-mode processed_logprobs" in str(sampling_mode_problem(server.url))
+    with AppThread(FastAPI()) as server:
+        assert "VLLM_SERVER_DEV_MODE=1" in str(sampling_mode_problem(server.url))
