@@ -64,9 +64,11 @@ class Store(Reads):
         engine_url = self.url
         if readonly and make_url(self.url).get_backend_name() == "sqlite":
             # SQLite's own read-only mode: no file created where none is, no pragma written.
-            engine_url = make_url(self.url).set(
-                database=f"file:{make_url(self.url).database}", query={"mode": "ro", "uri": "true"}
-            ).render_as_string(hide_password=False)
+            engine_url = (
+                make_url(self.url)
+                .set(database=f"file:{make_url(self.url).database}", query={"mode": "ro", "uri": "true"})
+                .render_as_string(hide_password=False)
+            )
         options: dict[str, Any] = {
             "json_serializer": lambda obj: orjson.dumps(obj).decode(),
             "json_deserializer": orjson.loads,

@@ -77,15 +77,15 @@ def test_stream_with_token_fields_passes_them_through(proxy: RunningProxy, vllm:
     client = OpenAI(base_url=proxy.v1, api_key="s-stream-tok")
     ids: list[int] = []
     prompt: list[int] = []
-    for chunk in client.chat.completions.create(
-        model=vllm.model, messages=ASK, max_tokens=8, stream=True, logprobs=True, extra_body=TOKENS
+    for chunk in client.chat.completions.create(  # greedy: sampled, the model once ended its turn at 5 tokens
+        model=vllm.model, messages=ASK, max_tokens=8, stream=True, logprobs=True, extra_body=TOKENS, temperature=0
     ):
         extra = chunk.model_dump()
         prompt = prompt or extra.get("prompt_token_ids") or []
         for choice in extra["choices"]:
             ids += choice.get("token_ids") or []
     [call] = proxy.calls("s-stream-tok")
-    assert call.completions[0].token_ids == ids and len(ids) == 8
+    assert call.completions[0].token_ids == ids and (len(ids) == 8 or ids[-1] == 2)  # 2: SmolLM2's end of turn
     assert call.prompt_token_ids == prompt
 
 
