@@ -1,6 +1,7 @@
 """Beyond one process (`make bench-scale`): on the arithmetic example's batch, the optimizer step
-with full fine-tuning, with LoRA (r=16), and full on two processes (torchrun, gloo), each in a
-process of its own so that its peak memory is its own; then, on a vLLM that takes adapters,
+with full fine-tuning, with LoRA (r=16), and full on two processes (torchrun, gloo), data parallel
+and sharded with FSDP2, each in a process of its own so that its peak memory is its own, with
+what rank 0 holds of the parameters and optimizer state; then, on a vLLM that takes adapters,
 the swap of a new version with 8 streams in flight: a full reload (vLLM paused) against an
 adapter load (nothing paused).
 
@@ -32,7 +33,7 @@ from trainer.config import LORA_DEFAULTS, TrainConfig
 from trainer.run import torchrun_command
 
 
-def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
+def step_variant(batch: Path, out: Path, steps: int, lora: bool, sharding: str) -> None:
     """One variant, in this process (and its torchrun peers): timed steps, peak memory, weights."""
     import torch
 
@@ -48,8 +49,10 @@ def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
         steps + 1,
         config.train.micro_batch,
         lora=LORA_DEFAULTS if lora else None,
+        sharding=sharding,
     )
     seconds: list[float] = []
+    held: list[float] = []
 
     def lead() -> None:
         for _ in range(steps + 1):
@@ -57,11 +60,26 @@ def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
             learner.step(samples)
             seconds.append(time.perf_counter() - start)
             print(f"    step {len(seconds)}/{steps + 1}: {seconds[-1]:.1f} s", flush=True)
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in learner.model.parameters()]
+        local += [
+            v.to_local() if hasattr(v, "to_local") else v
+            for state in learner.trl.optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v)
+        ]
+        held.append(sum(t.numel() * t.element_size() for t in local) / 2**30)
+        if learner.fsdp:  # the whole weights, gathered from both ranks as a swap gathers them
+            learner.save(out / "saved", with_optimizer=False)
 
     learner.lead(lead)
     if learner.rank:
         return
-    trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
+    if sharding == "fsdp2":
+        from safetensors.torch import load_file
+
+        trained = load_file(out / "saved" / "model.safetensors")
+    else:
+        trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
     torch.save(trained, out / "weights.pt")
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     trainable = sum(p.numel() for p in trained.values())
@@ -72,15 +90,26 @@ def step_variant(batch: Path, out: Path, steps: int, lora: bool) -> None:
                 "peak_gb": peak_gb,
                 "trainable": trainable,
                 "processes": learner.world,
+                "held_gb": held[0],
             }
         )
     )
 
 
-def run_variant(work: Path, name: str, steps: int, lora: bool = False, processes: int = 1) -> dict[str, Any]:
+def run_variant(
+    work: Path, name: str, steps: int, lora: bool = False, processes: int = 1, sharding: str = "replicate"
+) -> dict[str, Any]:
     out = work / name
     out.mkdir()
-    args = ["--step", str(work / "batch.pkl"), str(out), str(steps), *(["--lora"] if lora else [])]
+    args = [
+        "--step",
+        str(work / "batch.pkl"),
+        str(out),
+        str(steps),
+        "--sharding",
+        sharding,
+        *(["--lora"] if lora else []),
+    ]
     command = torchrun_command(processes, "benchmarks.bench_scale", *args)
     print(f"  {name} ...", flush=True)
     subprocess.run(command, check=True, env={**os.environ, **({"OMP_NUM_THREADS": "1"} if processes > 1 else {})})
@@ -130,9 +159,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="swaps of each kind (median reported)")
     parser.add_argument("--step", nargs=3, metavar=("BATCH", "OUT", "STEPS"), help=argparse.SUPPRESS)
     parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sharding", default="replicate", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
-        return step_variant(Path(args.step[0]), Path(args.step[1]), int(args.step[2]), args.lora)
+        return step_variant(Path(args.step[0]), Path(args.step[1]), int(args.step[2]), args.lora, args.sharding)
     work = Path(tempfile.mkdtemp(prefix="rlp-bench-scale-"))
     config = load_config(EXAMPLE / "train.yaml", TrainConfig)
     with bench_vllm(args.upstream, work, config.proxy.max_model_len, lora_rank=16) as (upstream, model):
@@ -143,23 +173,32 @@ def main() -> None:
         run_variant(work, "full", args.steps),
         run_variant(work, "lora", args.steps, lora=True),
         run_variant(work, "full-2", args.steps, processes=2),
+        run_variant(work, "fsdp2-2", args.steps, processes=2, sharding="fsdp2"),
     ]
     import torch
 
-    one, two = torch.load(work / "full" / "weights.pt"), torch.load(work / "full-2" / "weights.pt")
-    drift = max(float((one[k] - two[k]).abs().max()) for k in one)
+    one = torch.load(work / "full" / "weights.pt")
+    drift = {
+        name: max(float((one[k] - other[k]).abs().max()) for k in one)
+        for name in ("full-2", "fsdp2-2")
+        for other in [torch.load(work / name / "weights.pt")]
+    }
 
     tokens = sum(len(s.sequence.input_ids) for s in samples)
     print(
         f"\nThe optimizer step on the arithmetic example's batch ({len(samples)} sequences, {tokens} tokens, "
         f"micro_batch {config.train.micro_batch}), 2 CPU cores, median of {args.steps}:\n"
     )
-    print("| learner | processes | trainable parameters | median step s | peak memory GB (rank 0) |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| learner | processes | trainable parameters | median step s | peak memory GB (rank 0) "
+        "| parameters + optimizer state GB (rank 0) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        step_s, peak_gb = f"{row['step_s']:.2f}", f"{row['peak_gb']:.2f}"
-        print(f"| {row['name']} | {row['processes']} | {row['trainable']:,} | {step_s} | {peak_gb} |")
-    print(f"\nweights after {args.steps + 1} steps, 1 vs 2 processes: largest difference {drift:.2e}")
+        step_s, peak_gb, held = f"{row['step_s']:.2f}", f"{row['peak_gb']:.2f}", f"{row['held_gb']:.2f}"
+        print(f"| {row['name']} | {row['processes']} | {row['trainable']:,} | {step_s} | {peak_gb} | {held} |")
+    for name, largest in drift.items():
+        print(f"\nweights after {args.steps + 1} steps, full vs {name}: largest difference {largest:.2e}")
     print(f"\nA new version while 8 streams are in flight, median of {args.rounds}:\n")
     print("| swap | median s until it serves | vLLM paused | failed streams |")
     print("|---|---:|---|---:|")

@@ -30,7 +30,54 @@ from pydantic import Field, model_validator
 
 from harness_adapters.config import CollectConfig, Strict
 from proxy.vllm import WEIGHT_TRANSFER_ARGS
-from trainer.grpo import GRPO_KEYS, grpo_fields
+
+# The GRPOConfig fields that mean something here; the rest are about TRL's own generation and
+# data, or the Trainer's loop, which this trainer does not run (a test checks each is a field).
+GRPO_KEYS = {
+    "loss_type",
+    "importance_sampling_level",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "beta",
+    "scale_rewards",
+    "mask_truncated_completions",
+    "temperature",
+    "top_entropy_quantile",
+    "off_policy_mask_threshold",
+    "use_bias_correction_kl",
+    "max_completion_length",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "optim",
+    "gradient_checkpointing",
+    "bf16",
+    "fp16",
+    "seed",
+    "ddp_timeout",
+    "disable_dropout",
+    "cast_lm_head_to_fp32",
+}
+
+
+def grpo_fields() -> set[str]:
+    """Every field of TRL's GRPOConfig (TrainingArguments' included)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    return {f.name for f in dataclasses.fields(GRPOConfig)}
+
 
 LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
@@ -59,6 +106,11 @@ class TrainSection(Strict):
         "float32",
         description="the learner's weights, whatever the checkpoint's: float32 master weights (bf16 autocast on a GPU "
         "that has it), or bfloat16 (half their memory; small updates are lost to rounding)",
+    )
+    sharding: Literal["replicate", "fsdp2"] = Field(
+        "replicate",
+        description="with several learner processes: replicate (data parallel, every rank the whole model) or fsdp2 "
+        "(parameters, gradients and optimizer state sharded across ranks: models that do not fit one device)",
     )
     weight_sync: Literal["disk", "nccl"] = Field(
         "disk", description="disk: safetensors that vLLM reloads; nccl: broadcast GPU to GPU (trainer/nccl.py)"
@@ -93,6 +145,8 @@ class TrainSection(Strict):
                 LoraConfig(**{"task_type": "CAUSAL_LM", **self.lora})
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"lora: {exc}") from exc
+        if self.sharding == "fsdp2" and (self.lora is not None or self.weight_sync == "nccl"):
+            raise ValueError("sharding: fsdp2 is built for full fine-tuning with the swap from disk (no lora, no nccl)")
         if self.weight_sync == "nccl" and self.lora is not None:
             raise ValueError("weight_sync: nccl sends whole weights; LoRA adapters go to vLLM from disk (leave it out)")
         if self.grpo.get("fp16"):

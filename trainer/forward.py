@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from trainer.sharding import sharded
+
 
 def release_memory() -> None:
     """Hand freed heap back to the OS. glibc keeps it in per-thread arenas: a training run on
@@ -42,7 +44,9 @@ def length_buckets(lengths: Sequence[int], most: int, overhead: int = 16) -> lis
 
 def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     """Whether `shared_prefix_logps` computes what TRL's padded batch does for this model: no
-    wrapper around it (DDP, FSDP; a PEFT model is fine), no checkpointed layer (it drops the cache), a
+    wrapper around it (DDP, FSDP; a PEFT model is fine), not sharded by FSDP2 (its passes differ in
+    number between ranks, and each gathers from all: trainer/sharding.py), no checkpointed layer
+    (it drops the cache), a
     plain key/value cache in every layer (a sliding window keeps only its last keys, a linear
     attention layer has none), and RoPE whose frequencies do not depend on a pass's longest
     position (dynamic, longrope)."""
@@ -54,6 +58,7 @@ def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     return (
         unwrapped is model
+        and not sharded(unwrapped)
         and not unwrapped.is_gradient_checkpointing
         and not (isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"))
         and all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)

@@ -32,55 +32,9 @@ from typing import Any, TypeVar
 
 from recorder.trajectories import TrainingSequence
 from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_logps
+from trainer.sharding import average_gradients, full_norm, full_states, load_full_optimizer, save_full, shard
 
 T = TypeVar("T")
-
-# The GRPOConfig fields that mean something here; the rest are about TRL's own generation and
-# data, or the Trainer's loop, which this trainer does not run (a test checks each is a field).
-GRPO_KEYS = {
-    "loss_type",
-    "importance_sampling_level",
-    "epsilon",
-    "epsilon_high",
-    "delta",
-    "beta",
-    "scale_rewards",
-    "mask_truncated_completions",
-    "temperature",
-    "top_entropy_quantile",
-    "off_policy_mask_threshold",
-    "use_bias_correction_kl",
-    "max_completion_length",
-    "vllm_importance_sampling_correction",
-    "vllm_importance_sampling_mode",
-    "vllm_importance_sampling_clip_min",
-    "vllm_importance_sampling_clip_max",
-    "learning_rate",
-    "lr_scheduler_type",
-    "warmup_steps",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-    "max_grad_norm",
-    "optim",
-    "gradient_checkpointing",
-    "bf16",
-    "fp16",
-    "seed",
-    "ddp_timeout",
-    "disable_dropout",
-    "cast_lm_head_to_fp32",
-}
-
-
-def grpo_fields() -> set[str]:
-    """Every field of TRL's GRPOConfig (TrainingArguments' included)."""
-    import dataclasses
-
-    from trl import GRPOConfig
-
-    return {f.name for f in dataclasses.fields(GRPOConfig)}
 
 
 @dataclass(frozen=True)
@@ -112,6 +66,7 @@ class Learner:
         reference: str | None = None,
         lora: dict[str, Any] | None = None,
         weights_dtype: str = "float32",
+        sharding: str = "replicate",
     ) -> None:
         """The policy from `model_path`; with `beta`, the KL reference is `reference` (the base
         model, when `model_path` is a checkpoint resumed from) or else the policy as loaded.
@@ -120,7 +75,8 @@ class Learner:
         is then the base model (the adapter disabled). `weights_dtype` is what the weights are
         kept and stepped in, whatever the checkpoint's: float32 master weights (a bf16 checkpoint
         stepped in bf16 lost 98% of an lr 1e-6 update to rounding), with bf16 autocast where the
-        GPU has it, as TRL does; or bfloat16 to halve their memory."""
+        GPU has it, as TRL does; or bfloat16 to halve their memory. With several processes,
+        `sharding` is "replicate" (data parallel) or "fsdp2" (trainer/sharding.py)."""
         import torch
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -174,11 +130,19 @@ class Learner:
         if self.trl.ref_model is not None and reference is not None and reference != model_path:
             base = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32 if cpu else "auto")
             self.trl.ref_model.load_state_dict(base.state_dict())
-        self.trl.create_optimizer_and_scheduler(num_training_steps=total_steps)
         accelerator = self.trl.accelerator
         # Several processes (accelerate launch, torchrun): every rank loads the same weights (and
-        # seeds its adapters alike) and the gradients are averaged once a step (`_average_gradients`).
+        # seeds its adapters alike); the gradients are averaged once a step (replicate), or the
+        # model is sharded before its optimizer is made (fsdp2).
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.fsdp = sharding == "fsdp2" and self.world > 1
+        if self.fsdp:
+            if lora:
+                raise ValueError("sharding: fsdp2 with LoRA adapters is not built; use replicate")
+            shard(self.trl.model)
+            if self.trl.ref_model is not None:
+                shard(self.trl.ref_model)
+        self.trl.create_optimizer_and_scheduler(num_training_steps=total_steps)
         self.model = self.trl.model
         self.device = accelerator.device
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -367,7 +331,7 @@ class Learner:
         """One optimizer step on these samples (in micro-batches); TRL's metrics for it. With
         several processes rank 0 calls this, and the samples go to every rank (`lead`)."""
         if self.world > 1:
-            self._broadcast(samples)
+            self._broadcast(("step", samples))
         return self._step(samples)
 
     def lead(self, work: Callable[[], T]) -> T | None:
@@ -376,8 +340,12 @@ class Learner:
         fails, rank 0 exits with its error and the launcher (torchrun) stops the others: they
         may be inside a step's collectives, where a last broadcast would not reach them."""
         if self.rank:
-            while (samples := self._broadcast(None)) is not None:
-                self._step(samples)
+            while (command := self._broadcast(None)) is not None:
+                kind, given = command
+                if kind == "step":
+                    self._step(given)
+                else:  # "save": the sharded weights are gathered from every rank
+                    self._save(*given)
             result = None
         else:
             result = work()
@@ -392,21 +360,11 @@ class Learner:
             dist.destroy_process_group()
         return result
 
-    def _average_gradients(self) -> None:
-        """What DDP does, once a step instead of at every micro-batch's backward pass, and
-        without DDP's wrapper, which the shared-prompt path cannot run through (measured 4.2x
-        slower a step on 2 processes with it, docs/benchmarks.md)."""
+    def _broadcast(self, command: tuple[str, Any] | None) -> tuple[str, Any] | None:
+        """Rank 0's next command to the others: a step on samples, a save, or None (done)."""
         import torch.distributed as dist
 
-        for param in self.model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad)
-                param.grad /= self.world
-
-    def _broadcast(self, samples: list[Sample] | None) -> list[Sample] | None:
-        import torch.distributed as dist
-
-        box = [samples]
+        box = [command]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -422,12 +380,16 @@ class Learner:
             trl.accelerator.backward(loss)
             total += float(loss.detach())
         if self.world > 1:  # the gradients, the loss and the off-policy sums over every rank's shard
-            self._average_gradients()
+            if not self.fsdp:  # FSDP2 reduce-scattered them in the backward passes
+                average_gradients(list(self.model.parameters()), self.world)
             sums = torch.tensor([total / self.world, *self._sums.values()], device=self.device)
             summed = trl.accelerator.reduce(sums, "sum")
             total, *sums = summed.tolist()
             self._sums = dict(zip(self._sums, sums, strict=True))
-        grad_norm = trl.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        if self.fsdp:  # over DTensor gradients: torch's own, which reduces the norm across the shards
+            grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))
+        else:
+            grad_norm = float(trl.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))
         trl.optimizer.step()
         trl.lr_scheduler.step()
         trl.optimizer.zero_grad()
@@ -436,7 +398,7 @@ class Learner:
         return {
             **metrics,
             "loss": total,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "learning_rate": trl.lr_scheduler.get_last_lr()[0],
             # Off-policy mismatch: the mean |trainer - behaviour| logprob of the trained tokens
             # (precision, sampling settings, staleness) and what the IS correction capped or masked.
@@ -449,22 +411,45 @@ class Learner:
 
     def save(self, directory: Path, with_optimizer: bool = True) -> None:
         """The weights as safetensors and the tokenizer (a directory vLLM can load or reload),
-        and the optimizer and scheduler state."""
+        and the optimizer and scheduler state. Sharded (fsdp2), every rank gathers them with rank
+        0, which writes them: rank 0 calls this, and tells the others (`lead`)."""
+        if self.fsdp:
+            self._broadcast(("save", (directory, with_optimizer)))
+        self._save(directory, with_optimizer)
+
+    def _save(self, directory: Path, with_optimizer: bool) -> None:
         import torch
 
-        directory.mkdir(parents=True, exist_ok=True)
-        self.trl.accelerator.unwrap_model(self.model).save_pretrained(directory, safe_serialization=True)
+        optimizer = self.trl.optimizer if with_optimizer else None
+        if self.fsdp:
+            weights, state = full_states(self.model, optimizer)
+            if self.rank:
+                return
+            directory.mkdir(parents=True, exist_ok=True)
+            save_full(self.model, weights, directory)
+        else:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.trl.accelerator.unwrap_model(self.model).save_pretrained(directory, safe_serialization=True)
+            state = None if optimizer is None else optimizer.state_dict()
         self.tokenizer.save_pretrained(directory)
-        if with_optimizer:
-            torch.save(
-                {"optimizer": self.trl.optimizer.state_dict(), "scheduler": self.trl.lr_scheduler.state_dict()},
-                directory / "optimizer.pt",
-            )
+        if state is not None:
+            scheduler = self.trl.lr_scheduler.state_dict()
+            kept = {"optimizer": state, "scheduler": scheduler, "sharding": "fsdp2" if self.fsdp else "replicate"}
+            torch.save(kept, directory / "optimizer.pt")
         release_memory()
 
     def load_optimizer(self, directory: Path) -> None:
         import torch
 
         state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
-        self.trl.optimizer.load_state_dict(state["optimizer"])
+        saved, now = state.get("sharding", "replicate"), "fsdp2" if self.fsdp else "replicate"
+        if saved != now:
+            raise ValueError(
+                f"{directory} holds the optimizer state of a {saved} run; this one is {now}: resume "
+                "with the sharding the run started with"
+            )
+        if self.fsdp:  # every rank reads the whole state (the checkpoint is on storage they share)
+            load_full_optimizer(self.model, self.trl.optimizer, state["optimizer"])
+        else:
+            self.trl.optimizer.load_state_dict(state["optimizer"])
         self.trl.lr_scheduler.load_state_dict(state["scheduler"])

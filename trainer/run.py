@@ -147,6 +147,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
         reference=str(base),
         lora=config.train.lora,
         weights_dtype=config.train.weights_dtype,
+        sharding=config.train.sharding,
     )
     if checkpoint is not None:
         learner.load_optimizer(checkpoint)

@@ -3,9 +3,11 @@ every process of a torchrun launch (tests/trainer/test_distributed.py). Rank 0 t
 and saves the trained parameters and the step's metrics; the other ranks follow (the rank
 named by RLP_TEST_CRASH_RANK raises instead).
 
-    torchrun --nproc-per-node 2 -m tests.support.distributed_step MODEL OUT '{"loss_type": ...}' MICRO_BATCH LORA ROWS
+    torchrun --nproc-per-node 2 -m tests.support.distributed_step MODEL OUT GRPO MICRO_BATCH LORA ROWS SHARDING
 
-LORA is LoraConfig fields as JSON, or null; ROWS how many of the groups' 8 rows the step takes.
+GRPO is GRPOConfig fields as JSON; LORA is LoraConfig fields as JSON, or null; ROWS how many of
+the groups' 8 rows the step takes; SHARDING replicate or fsdp2 (then rank 0 saves the gathered
+weights, and those are compared).
 """
 
 from __future__ import annotations
@@ -23,16 +25,25 @@ def main() -> None:
     from trainer.grpo import Learner
 
     model, out, grpo, micro_batch = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-    lora, rows = json.loads(sys.argv[5]), int(sys.argv[6])
-    learner = Learner(model, out / "trl", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
+    lora, rows, sharding = json.loads(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+    learner = Learner(model, out / "trl", grpo, total_steps=1, micro_batch=micro_batch, lora=lora, sharding=sharding)
     if learner.rank and os.environ.get("RLP_TEST_CRASH_RANK") == str(learner.rank):
         raise RuntimeError(f"rank {learner.rank} crashes on purpose")
 
     def lead() -> None:
         metrics = learner.step(groups()[:rows])
-        trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
+        if sharding == "fsdp2":  # the whole weights, gathered from every rank (as a swap or checkpoint has them)
+            learner.save(out / "saved")
+            from safetensors.torch import load_file
+
+            trained = load_file(out / "saved" / "model.safetensors")
+        else:
+            trained = {n: p.detach() for n, p in learner.trl.model.named_parameters() if p.requires_grad}
         torch.save(trained, out / f"trained-{learner.world}.pt")
-        (out / f"metrics-{learner.world}.json").write_text(json.dumps(metrics))
+        per_rank = sum(
+            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in learner.model.parameters()
+        )
+        (out / f"metrics-{learner.world}.json").write_text(json.dumps({**metrics, "parameters_on_rank": per_rank}))
 
     learner.lead(lead)
 

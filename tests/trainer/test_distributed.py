@@ -42,8 +42,9 @@ def _two_processes(
     rows: int = 8,
     crash: str = "",
     launcher: str = "torchrun",
+    sharding: str = "replicate",
 ) -> subprocess.CompletedProcess[str]:
-    args = [str(model), str(out), json.dumps(grpo), str(micro_batch), json.dumps(lora), str(rows)]
+    args = [str(model), str(out), json.dumps(grpo), str(micro_batch), json.dumps(lora), str(rows), sharding]
     command = torchrun_command(2, "tests.support.distributed_step", *args)
     if launcher == "accelerate":  # --multi_gpu without --cpu: torchrun underneath, gloo on CPU
         command = [
@@ -76,15 +77,17 @@ def _two_processes(
 
 
 @pytest.mark.parametrize(
-    ("grpo", "micro_batch", "lora", "rows", "launcher"),
+    ("grpo", "micro_batch", "lora", "rows", "launcher", "sharding"),
     [
-        ({"loss_type": "dapo"}, 3, None, 8, "torchrun"),  # 8 rows in 4 passes, 2 per rank; by the batch's tokens
-        ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8, "torchrun"),  # one pass of 4 rows per rank; a mean
-        ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8, "torchrun"),
-        ({"loss_type": "dr_grpo"}, 3, None, 7, "torchrun"),  # passes of 1, 2, 2, 2 rows: rank 0's 1 gets a filler
-        ({"loss_type": "dapo"}, 8, None, 1, "torchrun"),  # one row for two ranks: rank 0 runs a pass of fillers
-        ({"loss_type": "dapo"}, 3, None, 8, "accelerate"),
-    ],  # accelerate launch, as docs/deploying.md shows
+        ({"loss_type": "dapo"}, 3, None, 8, "torchrun", "replicate"),  # 8 rows in 4 passes, 2 per rank
+        ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8, "torchrun", "replicate"),  # one pass of 4 rows per rank
+        ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8, "torchrun", "replicate"),
+        ({"loss_type": "dr_grpo"}, 3, None, 7, "torchrun", "replicate"),  # 1, 2, 2, 2 rows: rank 0's 1 gets a filler
+        ({"loss_type": "dapo"}, 8, None, 1, "torchrun", "replicate"),  # one row, two ranks: a pass of fillers
+        ({"loss_type": "dapo"}, 3, None, 8, "accelerate", "replicate"),  # accelerate launch, as docs/deploying.md
+        ({"loss_type": "dapo"}, 3, None, 8, "torchrun", "fsdp2"),  # sharded; the shared-prompt path through it
+        ({"loss_type": "grpo", "beta": 0.1}, 8, None, 7, "torchrun", "fsdp2"),  # with a sharded reference model
+    ],
 )
 def test_one_step_on_two_processes_equals_one_process(
     tiny_model: Path,
@@ -94,9 +97,10 @@ def test_one_step_on_two_processes_equals_one_process(
     lora: dict[str, Any] | None,
     rows: int,
     launcher: str,
+    sharding: str,
 ) -> None:
     grpo = {**grpo, **SGD, "temperature": 0.9}
-    _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora, rows, launcher=launcher)
+    _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora, rows, launcher=launcher, sharding=sharding)
     learner = Learner(str(tiny_model), tmp_path / "one", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters() if p.requires_grad}
     one = learner.step(groups()[:rows])
@@ -109,6 +113,11 @@ def test_one_step_on_two_processes_equals_one_process(
         moved += int(not torch.equal(weights, before[name]))
     assert moved >= len(alone) // 2  # the step changed the weights (LoRA: B, not A, whose gradient is 0 at B = 0)
     two = json.loads((tmp_path / "metrics-2.json").read_text())
+    whole = sum(p.numel() for p in learner.model.parameters())
+    if sharding == "fsdp2":  # each rank holds about half the parameters
+        assert abs(two["parameters_on_rank"] - whole / 2) < 0.01 * whole, (two["parameters_on_rank"], whole)
+    else:
+        assert two["parameters_on_rank"] == whole
     for key in ("loss", "grad_norm", "logprob_gap"):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
@@ -123,16 +132,19 @@ def test_a_rank_that_dies_stops_the_run_with_its_error(tiny_model: Path, tmp_pat
 
 
 @pytest.mark.timeout(600)
-def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
+def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tmp_path: Path, sharding: str) -> None:
     """`rl-proxy train --processes 2`: rank 0 collects a group through the proxy and the shared
-    vLLM, both ranks step, rank 0 swaps version 1 in and writes the run's files."""
+    vLLM, both ranks step, rank 0 swaps version 1 in and writes the run's files; sharded, the
+    weights it swaps in and checkpoints are gathered from both ranks (a whole model.safetensors),
+    and a resumed run shards the checkpoint and its optimizer state again."""
     example = ROOT / "harness_adapters" / "examples" / "arithmetic"
     config = yaml.safe_load((example / "train.yaml").read_text())
     config.update(tasks=str(example / "tasks.jsonl"), out=str(tmp_path / "run"), episodes_per_task=4, concurrency=8)
     config["harness"]["agent"] = str(example / "agent.py") + ":agent"
     config["rewards"][0]["function"] = str(example / "agent.py") + ":score"
     config["proxy"] = {"upstream": vllm.url}
-    config["train"].update(steps=1, groups_per_step=1, micro_batch=2)
+    config["train"].update(steps=1, groups_per_step=1, micro_batch=2, sharding=sharding)
     del config["eval"]
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -148,10 +160,25 @@ def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tm
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "1"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] and rows[0]["samples"] >= 4
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    saved = load_file(tmp_path / "run" / "versions" / "v1" / "model.safetensors")
+    hidden = AutoConfig.from_pretrained(tmp_path / "run" / "versions" / "v1").hidden_size
+    assert saved["model.norm.weight"].shape == (hidden,)  # whole, not a rank's shard
+    assert (tmp_path / "run" / "versions" / "v1" / "optimizer.pt").exists()
+    if sharding == "fsdp2":  # resumed: the whole checkpoint sharded again, its optimizer state too
+        config["train"]["steps"] = 2
+        path.write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-m", "trainer.cli", "train", str(path), "--processes", "2", "--resume"]
+        again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "2"
 
 
 def test_the_shipped_multi_gpu_configs_load() -> None:
-    """harness_adapters/examples/arithmetic/{train-8gpu,accelerate-4gpu}.yaml (not run here: no GPU)."""
+    """harness_adapters/examples/arithmetic/{train-8gpu,train-8gpu-fsdp2,accelerate-4gpu}.yaml (not run
+    here: no GPU)."""
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import DistributedType
 
@@ -165,3 +192,10 @@ def test_the_shipped_multi_gpu_configs_load() -> None:
     config = load_config(example / "train-8gpu.yaml", TrainConfig)
     assert config.train.weight_sync == "nccl" and config.proxy.upstream and config.train.grpo["bf16"]
     assert config.train.groups_per_step * config.episodes_per_task >= 4 * config.train.micro_batch  # every rank busy
+    sharded = load_config(example / "train-8gpu-fsdp2.yaml", TrainConfig)
+    assert (sharded.train.sharding, sharded.train.weights_dtype, sharded.train.weight_sync) == (
+        "fsdp2",
+        "float32",
+        "disk",
+    )
+    assert sharded.train.grpo["bf16"] and sharded.train.groups_per_step * sharded.episodes_per_task >= 32

@@ -176,7 +176,7 @@ def test_config_refuses_unknown_keys(tmp_path: Path) -> None:
 
 
 def test_every_grpo_key_used_here_is_a_grpo_config_field() -> None:
-    from trainer.grpo import GRPO_KEYS, grpo_fields
+    from trainer.config import GRPO_KEYS, grpo_fields
 
     assert grpo_fields() >= GRPO_KEYS, GRPO_KEYS - grpo_fields()
 
