@@ -73,7 +73,8 @@ def test_body_over_the_limit_is_413(make_proxy: Any, vllm: Upstream) -> None:
         yield b"x" * 5000
         yield b'"}]}'
 
-    no_length = httpx.post(f"{proxy.v1}/chat/completions", content=chunked())
+    json_type = {"Content-Type": "application/json"}
+    no_length = httpx.post(f"{proxy.v1}/chat/completions", content=chunked(), headers=json_type)
     assert_openai_error(no_length, 413, "over the limit")
     assert proxy.calls() == []
 

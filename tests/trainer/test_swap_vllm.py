@@ -160,15 +160,17 @@ def test_two_replicas_pinned_swapped_and_one_lost(
     assert [u["alive"] for u in health] == [True, False]
 
 
-def _refusing_replica() -> FastAPI:
+def _refusing_replica(previous: Path) -> FastAPI:
     """Fault injection (a stub, NOT vLLM): a replica that pauses, resumes and takes versions like
-    vLLM's development routes, and refuses every weight reload."""
+    vLLM's development routes, and refuses to reload any weights but `previous`."""
     app = FastAPI()
     for route in ("/pause", "/resume", "/update_weight_version"):
         app.post(route)(lambda: {})
 
     @app.post("/collective_rpc")
-    def refuse() -> JSONResponse:
+    def reload(body: dict[str, Any]) -> JSONResponse:
+        if body["kwargs"]["weights_path"] == str(previous.resolve()):
+            return JSONResponse({})
         return JSONResponse({"error": "out of memory (injected)"}, 500)
 
     return app
@@ -191,7 +193,7 @@ def test_a_replica_that_refuses_the_weights_rolls_every_replica_back(
         version = httpx.get(f"{restore}/weight_info").json()["weight_version"]
         return before, after, version, httpx.get(f"{restore}/is_paused").json()["is_paused"]
 
-    with AppThread(_refusing_replica()) as second:
+    with AppThread(_refusing_replica(base)) as second:
         before, after, version, paused = asyncio.run(main(second.url))
     assert after == pytest.approx(before, abs=1e-4) and version == "0" and paused is False
 
