@@ -441,7 +441,8 @@ class Learner:
     def load_optimizer(self, directory: Path) -> None:
         import torch
 
-        state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        # To the CPU first: under torchrun a CPU rank's device reads "cpu:0", which torch.load cannot restore to.
+        state = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
         saved, now = state.get("sharding", "replicate"), "fsdp2" if self.fsdp else "replicate"
         if saved != now:
             raise ValueError(
