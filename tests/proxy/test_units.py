@@ -174,6 +174,18 @@ async def test_slow_version_reads_are_not_warnings_until_they_last(caplog: Any) 
         await upstream.close()
 
 
+async def _weight_info_server(handler: Any) -> tuple[web.AppRunner, Upstream]:
+    """A stub (NOT vLLM) answering GET /weight_info with `handler`, and an Upstream on it."""
+    app = web.Application()
+    app.router.add_get("/weight_info", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, Upstream(f"http://127.0.0.1:{port}/v1", timeout=5, connect_timeout=1)
+
+
 async def test_a_late_answer_to_an_older_version_read_does_not_undo_a_newer_one() -> None:
     """The poll's read, sent before a swap and answered after the trainer's own read of the new
     version, must not set the old version back (seen in CI: 16 streams ended stamped "0")."""
@@ -185,14 +197,7 @@ async def test_a_late_answer_to_an_older_version_read_does_not_undo_a_newer_one(
         await asyncio.sleep(delays.pop(0))
         return web.json_response({"weight_version": version})
 
-    app = web.Application()
-    app.router.add_get("/weight_info", weight_info)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    upstream = Upstream(f"http://127.0.0.1:{port}/v1", timeout=5, connect_timeout=1)
+    runner, upstream = await _weight_info_server(weight_info)
     try:
         poll = asyncio.create_task(upstream.refresh_version())
         await asyncio.sleep(0.2)
@@ -208,21 +213,14 @@ async def test_a_late_answer_to_an_older_version_read_does_not_undo_a_newer_one(
 
 async def test_a_weight_info_without_a_version_records_none_not_the_string(caplog: Any) -> None:
     """vLLM answers {"weight_version": null} before any version is set; that read "None"."""
-    app = web.Application()
-    app.router.add_get("/weight_info", lambda request: web.json_response({"weight_version": None}))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    upstream = Upstream(f"http://127.0.0.1:{port}/v1", timeout=5, connect_timeout=1)
+    runner, upstream = await _weight_info_server(lambda request: web.json_response({"weight_version": None}))
     try:
         with caplog.at_level(logging.WARNING, logger="rl_proxy.upstream"):
             for _ in range(3):
                 assert await upstream.refresh_version()
         assert upstream.version is None
         assert [r.message for r in caplog.records].count(
-            f"http://127.0.0.1:{port}/weight_info names no weight_version: calls are recorded without one"
+            f"{upstream.root}/weight_info names no weight_version: calls are recorded without one"
         ) == 1
     finally:
         await upstream.close()
