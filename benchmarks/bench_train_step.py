@@ -28,7 +28,7 @@ from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder.store import Store
 from trainer.config import TrainConfig
-from trainer.groups import GroupReader, LoopState
+from trainer.groups import GroupReader, LoopState, reward_rule
 from trainer.grpo import Learner, Sample
 
 
@@ -51,7 +51,7 @@ def example_batch(upstream: str, model: str, config: TrainConfig, work: Path) ->
         rollouts = Rollouts(runner, tasks, config.episodes_per_task, asyncio.Semaphore(config.concurrency))
         samples: list[Sample] = []
         async with Store(db) as store, runner.admin() as admin:
-            reader = GroupReader(config, store, LoopState(), "group", 1.0, {})
+            reader = GroupReader(config, store, LoopState(), reward_rule(config.train, "group"), 1.0, {})
             for _ in range(8 * config.train.groups_per_step):
                 if len(samples) >= config.train.groups_per_step * config.episodes_per_task:
                     break

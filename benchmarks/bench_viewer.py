@@ -22,6 +22,7 @@ import httpx
 from benchmarks.bench_trajectories import session_calls
 from proxy.server import AppThread
 from recorder import SessionInfo, Store
+from recorder.episodes import EpisodeOutcome
 from trainer.viewer import create_app, token_decoder
 
 VOCAB = 49_152  # SmolLM2's
@@ -37,7 +38,7 @@ async def fill(db: str, sessions: int, turns: int, long_turns: int) -> None:
             await store.resolve_session(info)
             await asyncio.gather(*(store.record(c) for c in session_calls(sid, n, rng, VOCAB)))
             await store.add_reward(sid, float(rng.random() < 0.4), "verifier")
-            await store.end_session(sid, "ok")
+            await store.end_session(sid, "ok", EpisodeOutcome(harness="ok"))  # a runner's episode
             if i % 1000 == 999:
                 rate = (i + 1) * turns / (time.perf_counter() - start)
                 print(f"\r  writing synthetic store: {(i + 1) * turns} calls, {rate:.0f} calls/s", end="", flush=True)
