@@ -50,17 +50,17 @@ def collect(
     )
     rows = summary(results, loaded.success_at)
     for row in rows:
-        mean = "-" if row["mean_reward"] is None else f"{row['mean_reward']:.2f}"
+        mean = "-" if row.mean_reward is None else f"{row.mean_reward:.2f}"
         table.add_row(
-            row["task"],
-            str(row["episodes"]),
-            str(row["success"]),
+            row.task,
+            str(row.episodes),
+            str(row.success),
             mean,
-            str(row["failed"]),
-            str(row["timeout"]),
-            str(row["no_calls"]),
+            str(row.failed),
+            str(row.timeout),
+            str(row.no_calls),
         )
-    wins = sum(row["success"] for row in rows)
+    wins = sum(row.success for row in rows)
     table.add_row("all", str(len(results)), f"{wins} ({wins / max(len(results), 1):.0%})", "", "", "", "")
     console.print(table)
     for r in results:

@@ -163,22 +163,34 @@ class EpisodeRunner:
         return tuple(RewardPart(source=source.type, value=value) for source, value in parts)
 
 
-def summary(results: list[EpisodeResult], success_at: float) -> list[dict[str, Any]]:
-    """One row per task: episodes, successes, mean reward, and what went wrong."""
+@dataclass(frozen=True)
+class TaskSummary:
+    """One task's episodes in a collect run: successes, mean reward, and what went wrong."""
+
+    task: str
+    episodes: int
+    success: int
+    mean_reward: float | None
+    failed: int
+    timeout: int
+    no_calls: int
+
+
+def summary(results: list[EpisodeResult], success_at: float) -> list[TaskSummary]:
+    """One row per task, in the order the tasks first finished."""
     rows = []
     for task_id in dict.fromkeys(r.task.id for r in results):
         mine = [r for r in results if r.task.id == task_id]
         rewards = [r.reward for r in mine if r.reward is not None]
+        counts = {status: sum(r.status == status for r in mine) for status in ("failed", "timeout", "no_calls")}
         rows.append(
-            {
-                "task": task_id,
-                "episodes": len(mine),
-                "success": sum(r.success(success_at) for r in mine),
-                "mean_reward": statistics.fmean(rewards) if rewards else None,
-                "failed": sum(r.status == "failed" for r in mine),
-                "timeout": sum(r.status == "timeout" for r in mine),
-                "no_calls": sum(r.status == "no_calls" for r in mine),
-            }
+            TaskSummary(
+                task_id,
+                len(mine),
+                sum(r.success(success_at) for r in mine),
+                statistics.fmean(rewards) if rewards else None,
+                **counts,
+            )
         )
     return rows
 
