@@ -88,5 +88,14 @@ def load_full_optimizer(model: Any, optimizer: Any, state: dict[str, Any]) -> No
 
 
 def save_full(model: Any, weights: dict[str, Any], directory: Path) -> None:
-    """Write gathered weights as the model's own safetensors directory (rank 0)."""
-    model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+    """Write gathered weights as the model's own safetensors directory (rank 0). A parameter
+    shared by two modules (tied embeddings) is gathered once per name, as copies that
+    save_pretrained cannot tell are one: kept under its first name only, as unsharded."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            tied.add(name)
+    model.save_pretrained(
+        directory, state_dict={k: v for k, v in weights.items() if k not in tied}, safe_serialization=True
+    )
