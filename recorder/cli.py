@@ -93,6 +93,10 @@ def sessions_show(session_id: str, db: DbOption = None, tokenizer: TokenizerOpti
         console.print(f"[red]no session {session_id!r}[/red]")
         raise typer.Exit(1)
     console.print(_session_table([info]))
+    if info.outcome:
+        console.print(f"outcome: {info.outcome.model_dump(exclude_defaults=True)}", highlight=False)
+    if info.sampling:
+        console.print(f"sampling forced: {info.sampling.model_dump(exclude_none=True)}", highlight=False)
     if info.metadata:
         console.print(f"metadata: {info.metadata}")
     table = Table("seq", "api", "stream", "status", "prompt tok", "completion tok", "finish", "ms", "version")

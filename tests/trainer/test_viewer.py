@@ -143,6 +143,7 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
         assert get("/sessions/nobody").status_code == 404
         page = get("/sessions/s005").text
         assert 'class="t s"' in page and "&lt;4&gt;" in page and "verifier" in page
+        assert "episode outcome: the harness ran" in page
         # s004-s007: rewards 0, 1/3, 2/3, 1, but s006 ended "failed" though its harness ran (its
         # verifier failed): the trainer leaves it out, and the advantages are those of the other three.
         group = get("/groups/g1").text
