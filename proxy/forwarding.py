@@ -8,6 +8,7 @@ answer shapes around these pieces.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from proxy.errors import (
 from proxy.sessions import parse_key, request_key
 from proxy.settings import Settings
 from proxy.state import ProxyState
-from proxy.threads import Answer, Plan
+from proxy.threads import THREADS_PER_SESSION, Answer, Plan, thread_state
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.store import SessionConflict, utcnow
@@ -181,7 +182,8 @@ class Call:
             return
         self.chat_body = body
         try:
-            plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.seq)
+            recorded = functools.partial(self.state.store.recent_threads, self.session.id, THREADS_PER_SESSION)
+            plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.seq, recorded)
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
             plan = Plan(None, f"token-in could not read the request: {exc!r}")
@@ -217,10 +219,12 @@ class Call:
         token_in = self.prompt_ids is not None and capture.prompt_token_ids == self.prompt_ids
         if self.prompt_ids is not None and capture.prompt_token_ids and not token_in:
             self.thread_start = "the upstream rendered the messages itself (it did not take kv_transfer_params)"
+        thread: dict[str, Any] | None = None
+        answers: list[Answer] = []
         if error is None and self.chat_body is not None and capture.prompt_token_ids:
             messages = capture.messages()
             answers = [Answer(messages[i], c.token_ids, c.finish_reason) for i, c in sorted(capture.choices.items())]
-            state.threads.add(self.session.id, self.chat_body, capture.prompt_token_ids, answers)
+            thread = thread_state(self.chat_body, answers)
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,
@@ -243,7 +247,11 @@ class Call:
             response_id=self.response_id,
             token_in=token_in,
             thread_start=None if self.chat_body is None else self.thread_start,
+            thread=thread,
         )
+        if thread is not None and self.chat_body is not None:
+            state.threads.add(self.session.id, call.call_id, self.chat_body, capture.prompt_token_ids, answers)
+
         state.observe(call)
         return call
 

@@ -37,6 +37,7 @@ class Recorder(Protocol):
     def end_session(
         self, session_id: str, status: EndStatus = "ended", outcome: EpisodeOutcome | None = None
     ) -> Awaitable[None]: ...
+    def recent_threads(self, session_id: str, limit: int) -> Awaitable[list[CallRecord]]: ...  # token-in
     def stored_response(
         self, session_id: str, response_id: str
     ) -> Awaitable[tuple[dict[str, Any], dict[str, Any]] | None]: ...

@@ -19,6 +19,11 @@ template, from two renderings of a short exchange that differ only in the answer
 go to vLLM's Chat Completions as `kv_transfer_params.prompt_token_ids`, so the answer is parsed
 (tool calls, reasoning) and shaped as before.
 
+A call's token state is recorded with it (`CallRecord.thread`: digests of its messages and
+template inputs, each choice's message; its prompt and sampled ids are in the record anyway).
+A proxy that holds no thread the call continues reads the session's recent ones back from the
+store, so a thread survives a restart and spans every proxy on one store.
+
 Anything else starts a new thread, and the call records why (`thread_start`): the first call,
 edited history, a compaction, another system prompt or tools, an answer not echoed as sampled,
 a rendering whose end-of-turn tokens do not line up.
@@ -32,12 +37,14 @@ import logging
 import re
 from array import array
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from proxy.upstream import Upstream
+from recorder import CallRecord
 
 log = logging.getLogger("rl_proxy.threads")
 
@@ -109,8 +116,9 @@ def digest(message: tuple[Any, ...]) -> bytes:
 
 @dataclass(frozen=True)
 class Thread:
+    call_id: str | None  # the recorded call it is (CallRecord.call_id)
     messages: list[bytes]  # exact() of each message of the call's request
-    tools: bytes  # the request's tools, canonical
+    tools: bytes  # digest of the request's tools and template inputs (tools_key)
     prompt_ids: array[int]  # 4 bytes a token
     answers: list[Answer]
     continued: dict[int, int] = field(default_factory=dict)  # answer index: the call that continued it first
@@ -142,7 +150,16 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def tools_key(body: dict[str, Any]) -> bytes:
-    return orjson.dumps([body.get(k) for k in TEMPLATE_FIELDS], option=orjson.OPT_SORT_KEYS)
+    fields = orjson.dumps([body.get(k) for k in TEMPLATE_FIELDS], option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(fields, digest_size=16).digest()
+
+
+def thread_state(body: dict[str, Any], answers: list[Answer]) -> dict[str, Any]:
+    """What a call's record keeps (CallRecord.thread) for `Threads.restore`: its upstream
+    messages' and template inputs' digests, and each choice's message as the upstream answered."""
+    messages = [exact(m).hex() for m in body.get("messages") or [] if isinstance(m, dict)]
+    kept = [{"message": a.message, "finish_reason": a.finish_reason} for a in answers]
+    return {"messages": messages, "tools": tools_key(body).hex(), "answers": kept}
 
 
 class Threads:
@@ -155,10 +172,41 @@ class Threads:
         self.end_of_turn: dict[bytes, int | str] = {}  # a model and template: its end-of-turn token (or why none)
         self.unrendering: set[str] = set()  # upstreams without /tokenize
 
-    def add(self, session_id: str, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]) -> None:
+    def add(
+        self, session_id: str, call_id: str | None, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]
+    ) -> None:
         """A recorded call of the session: `body` as sent upstream, its prompt ids and answers."""
         messages = [exact(m) for m in body.get("messages") or [] if isinstance(m, dict)]
-        thread = Thread(messages, tools_key(body), array("i", prompt_ids), answers)
+        self._keep(session_id, Thread(call_id, messages, tools_key(body), array("i", prompt_ids), answers))
+
+    def restore(self, session_id: str, calls: list[CallRecord]) -> bool:
+        """Learn the threads of recorded calls of the session (newest first) that this proxy did
+        not serve, or has forgotten: another proxy's, or its own before a restart. Whether any
+        was new."""
+        known = {t.call_id for t in self._by_session.get(session_id, [])}
+        new = False
+        for call in reversed(calls):
+            state = call.thread
+            if call.call_id in known or not state:
+                continue
+            try:
+                chosen = sorted(call.completions, key=lambda c: c.index)
+                answers = [
+                    Answer(a["message"], c.token_ids, a["finish_reason"])
+                    for a, c in zip(state["answers"], chosen, strict=True)
+                ]
+                messages = [bytes.fromhex(m) for m in state["messages"]]
+                thread = Thread(
+                    call.call_id, messages, bytes.fromhex(state["tools"]), array("i", call.prompt_token_ids), answers
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("call %s/%d: its token-in state cannot be read back: %r", session_id, call.seq, exc)
+                continue
+            self._keep(session_id, thread)
+            new = True
+        return new
+
+    def _keep(self, session_id: str, thread: Thread) -> None:
         threads = self._by_session.setdefault(session_id, [])
         threads.append(thread)
         del threads[:-THREADS_PER_SESSION]
@@ -191,11 +239,28 @@ class Threads:
             self.unrendering.add(upstream.base_url)
         return Plan(None, why)
 
-    async def plan(self, upstream: Upstream, session_id: str, body: dict[str, Any], seq: int = 0) -> Plan:
+    async def plan(
+        self,
+        upstream: Upstream,
+        session_id: str,
+        body: dict[str, Any],
+        seq: int = 0,
+        recorded: Callable[[], Awaitable[list[CallRecord]]] | None = None,
+    ) -> Plan:
         """Token-in for call `seq`'s chat body bound for `upstream`: its prompt ids, or why it
-        starts a thread. A second call continuing the same answer (a retry, a fork) is told so."""
+        starts a thread. A second call continuing the same answer (a retry, a fork) is told so.
+        When no thread in memory continues, or the one that does leaves more than one message
+        after its echo, the session's recorded threads are read back (`recorded`: one query) and
+        the longest continuation is taken: another proxy served them, or this one before a
+        restart."""
         messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
-        found = self._continued(session_id, messages, tools_key(body))
+        tools = tools_key(body)
+        found = self._continued(session_id, messages, tools)
+        # A thread in memory that the call continues by more than one message after its echo may
+        # be an older one: another proxy may have served the calls between (round robin).
+        stale = not isinstance(found, str) and len(messages) > len(found[0].messages) + 2
+        if (isinstance(found, str) or stale) and recorded is not None and self.restore(session_id, await recorded()):
+            found = self._continued(session_id, messages, tools)
         if isinstance(found, str):
             return Plan(None, found)
         thread, answer = found

@@ -232,7 +232,7 @@ class Reads:
     async def iter_calls(self, session_id: str | None = None, batch: int = 512) -> AsyncIterator[CallRecord]:
         """Every recorded call (of a session, in call order; else in insertion order), read in
         batches (bounded memory). Core queries, not ORM objects: several times faster."""
-        calls, completions = CallRow.__table__, CompletionRow.__table__
+        calls = CallRow.__table__
         # One session's calls are walked on its (session_id, seq) index, all calls on the id.
         key = calls.c.id if session_id is None else calls.c.seq
         last = 0
@@ -240,22 +240,36 @@ class Reads:
             query = select(calls).where(key > last).order_by(key).limit(batch)
             if session_id is not None:
                 query = query.where(calls.c.session_id == session_id)
-            by_call: dict[int, list[Completion]] = {}
-            try:
-                async with self.engine.connect() as conn:
-                    rows = (await conn.execute(query)).mappings().all()
-                    chosen = select(completions).where(completions.c.call_id.in_([r["id"] for r in rows]))
-                    for c in (await conn.execute(chosen.order_by(completions.c.choice_index))).mappings():
-                        by_call.setdefault(c["call_id"], []).append(
-                            Completion(c["choice_index"], c["token_ids"], c["logprobs"], c["finish_reason"])
-                        )
-            except (SQLAlchemyError, OSError) as exc:
-                raise store_error(exc) from exc
-            for row in rows:
-                yield _call_record(row, by_call.get(row["id"], []))
-            if len(rows) < batch:
+            found = await self._calls(query)
+            for _, call in found:
+                yield call
+            if len(found) < batch:
                 return
-            last = rows[-1][key.name]
+            last = found[-1][1].seq if session_id is not None else found[-1][0]
+
+    @translated
+    async def recent_threads(self, session_id: str, limit: int) -> list[CallRecord]:
+        """A session's newest `limit` calls that token-in can continue (their `thread` state),
+        newest first: one query on the (session_id, seq) index."""
+        calls = CallRow.__table__
+        query = select(calls).where(calls.c.session_id == session_id, calls.c.thread.is_not(None))
+        return [call for _, call in await self._calls(query.order_by(calls.c.seq.desc()).limit(limit))]
+
+    async def _calls(self, query: Any) -> list[tuple[int, CallRecord]]:
+        """The calls a query of the calls table selects, with their completions: (row id, call)."""
+        completions = CompletionRow.__table__
+        by_call: dict[int, list[Completion]] = {}
+        try:
+            async with self.engine.connect() as conn:
+                rows = (await conn.execute(query)).mappings().all()
+                chosen = select(completions).where(completions.c.call_id.in_([r["id"] for r in rows]))
+                for c in (await conn.execute(chosen.order_by(completions.c.choice_index))).mappings():
+                    by_call.setdefault(c["call_id"], []).append(
+                        Completion(c["choice_index"], c["token_ids"], c["logprobs"], c["finish_reason"])
+                    )
+        except (SQLAlchemyError, OSError) as exc:
+            raise store_error(exc) from exc
+        return [(row["id"], _call_record(row, by_call.get(row["id"], []))) for row in rows]
 
     @translated
     async def run_settings(self, run: str) -> tuple[RewardRule, dict[str, Any]] | None:

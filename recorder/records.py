@@ -61,6 +61,9 @@ class CallRecord:
     # continued the same answer, a retry or a fork, which call continued it first).
     token_in: bool = False
     thread_start: str | None = None
+    # Token-in's state of this call beyond the record (its upstream messages' and tools' digests,
+    # each choice's message), so that another proxy, or this one after a restart, continues it.
+    thread: dict[str, Any] | None = None
     # (None when read back from a store written before schema version 6.) A copy made with
     # dataclasses.replace keeps it: give a copy recorded as a call of its own a new one.
     call_id: str | None = field(default_factory=lambda: uuid4().hex)

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run, or, where SQL cannot
 # say it (hashing), a function given the connection.
@@ -52,6 +52,7 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         "ALTER TABLE sessions ADD COLUMN sampling JSON",
         lambda conn: _episode_columns(conn),
     ],
+    8: ["ALTER TABLE calls ADD COLUMN thread JSON"],  # token-in's state, for other proxies and restarts
 }
 
 
@@ -173,6 +174,7 @@ class CallRow(Base):
     call_id: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)  # None: written before version 6
     token_in: Mapped[bool | None]
     thread_start: Mapped[str | None] = mapped_column(String(256))
+    thread: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # CallRecord.thread
 
 
 class CompletionRow(Base):

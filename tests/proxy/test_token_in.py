@@ -5,6 +5,8 @@ vLLM does, so the bridge can be checked id by id; the real thing is in test_toke
 from __future__ import annotations
 
 import asyncio
+import itertools
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -119,3 +121,30 @@ def test_any_edit_of_a_message_the_model_did_not_sample_starts_a_new_thread(make
         ).raise_for_status()
         joined[name] = proxy.calls(key["x-api-key"])[-1].token_in
     assert joined == {name: name in ("same", "cache_control moved") for name in edits}
+
+
+def test_a_thread_continues_across_proxies_and_after_a_restart(make_proxy: Any, stub: str, tmp_path: Path) -> None:
+    """Threads lived in one proxy's memory: a session whose calls went to another proxy on the
+    same store (round robin behind a load balancer), or to a restarted one, started a new thread
+    at every call. A proxy now reads the session's recorded threads back when it holds none that
+    the call continues."""
+    db = str(tmp_path / "shared.db")
+    first, second = make_proxy(stub, db=db), make_proxy(stub, db=db)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+
+    def turn(proxy: Any, n: int) -> None:
+        body = {"model": MODEL, "messages": messages}
+        httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "s-across"}).raise_for_status()
+        messages.extend([{"role": "assistant", "content": "stub answer"}, {"role": "user", "content": f"and {n}?"}])
+
+    for n, proxy in enumerate([first, second, first, second]):
+        turn(proxy, n)
+    turn(make_proxy(stub, db=db), 4)  # restarted: a new process, nothing in memory
+    calls = first.calls("s-across")
+    assert [c.seq for c in calls] == [1, 2, 3, 4, 5]
+    assert [c.token_in for c in calls] == [False, True, True, True, True], [c.thread_start for c in calls]
+    for before, after in itertools.pairwise(calls):  # one exact sequence
+        assert after.prompt_token_ids[: len(before.prompt_token_ids) + len(COMPLETION)] == [
+            *before.prompt_token_ids,
+            *COMPLETION,
+        ]

@@ -44,6 +44,18 @@ def test_a_tool_calling_session_is_one_exact_sequence(make_proxy: Any, vllm: Ups
     assert_one_exact_sequence(proxy.calls("ti-tools"))
 
 
+def test_a_tool_calling_session_is_one_exact_sequence_across_proxies_on_one_store(
+    make_proxy: Any, vllm: Upstream, tmp_path: Path
+) -> None:
+    """Each call to another proxy on one store, as round robin behind a load balancer sends them
+    (the third a proxy that never saw the session, as after a restart): each reads the thread
+    back from the store. With threads in one proxy's memory, every call started a new one."""
+    db = str(tmp_path / "shared.db")
+    proxies = [make_proxy(vllm.url, db=db) for _ in range(3)]
+    tool_session([p.v1 for p in proxies], "ti-across", vllm.model)
+    assert_one_exact_sequence(proxies[0].calls("ti-across"))
+
+
 def test_in_messages_mode_the_template_breaks_the_same_session_apart(make_proxy: Any, vllm: Upstream) -> None:
     proxy = make_proxy(vllm.url, messages_mode=True)
     tool_session(proxy.v1, "ti-messages", vllm.model)
