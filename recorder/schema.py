@@ -174,7 +174,8 @@ class CallRow(Base):
     call_id: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)  # None: written before version 6
     token_in: Mapped[bool | None]
     thread_start: Mapped[str | None] = mapped_column(String(256))
-    thread: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # CallRecord.thread
+    # CallRecord.thread; None as SQL NULL (not JSON null), so that the calls that have one are found
+    thread: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
 
 class CompletionRow(Base):

@@ -328,3 +328,15 @@ async def test_a_read_only_store_writes_nothing_and_refuses_a_missing_one_by_nam
     with sqlite3.connect(db) as conn:
         assert conn.execute("pragma journal_mode").fetchone() == ("delete",)
     assert db.read_bytes() == before and not (tmp_path / "s.db-wal").exists()
+
+
+async def test_recent_threads_are_the_newest_calls_that_have_one(db: str) -> None:
+    """A call token-in cannot continue (failed, no ids) has no thread state: stored as SQL NULL,
+    it never takes the place of one that has (JSON's null would have)."""
+    async with Store(db) as store:
+        await store.resolve_session(SessionInfo(id="s", key="s"))
+        for seq in range(1, 7):
+            state = {"messages": [], "tools": "00", "answers": []} if seq in (1, 2) else None
+            await store.record(replace(call("s", seq, [seq]), thread=state))
+        found = await store.recent_threads("s", 4)
+    assert [c.seq for c in found] == [2, 1] and all(c.thread for c in found)
