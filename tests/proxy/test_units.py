@@ -278,6 +278,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
         threads = Threads()
         threads.add(
             "s",
+            "c1",
             {"model": "m", "messages": ask},
             prompt,
             [Answer({"role": "assistant", "content": "ok"}, sampled, finish)],
@@ -301,6 +302,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
         threads = Threads()
         threads.add(
             "s",
+            "c1",
             {"model": "m", "messages": ask},
             [*prompt, E],
             [Answer({"role": "assistant", "content": "ok"}, sampled, "stop")],
