@@ -14,6 +14,19 @@ from proxy.model import resolve_model
 from trainer.weight_sync import hot_swap
 
 
+@pytest.fixture(autouse=True)
+def _memory_back() -> Iterator[None]:
+    """After each trainer test, what its learners held goes back to the OS: the suite runs them
+    in one process beside the shared vLLM, on a 24 GB machine."""
+    yield
+    import gc
+
+    from trainer.forward import release_memory
+
+    gc.collect()
+    release_memory()
+
+
 @pytest.fixture(scope="module")
 def base() -> Path:
     """The prepared default weights, which the shared vLLM serves."""

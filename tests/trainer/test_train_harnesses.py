@@ -45,7 +45,10 @@ def test_one_step_through_the_harness(
     # trainer scores as a crash (train.failure_reward) for every episode alike: their exit code is
     # set aside here so the reward above decides.
     config.harness.argv = ["sh", "-c", '"$@" || true', "sh", *config.harness.argv]  # type: ignore[union-attr]
-    config.train = config.train.model_copy(update={"steps": 1})
+    # Checkpointed layers: a step on Claude Code's ~7,700-token sequences peaked near 16 GB in the
+    # test process, which with the shared vLLM beside it reached this machine's 24 GB once in CI.
+    grpo = {**config.train.grpo, "gradient_checkpointing": True}
+    config.train = config.train.model_copy(update={"steps": 1, "grpo": grpo})
 
     result = train(config, progress=False)
 
