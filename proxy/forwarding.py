@@ -182,7 +182,12 @@ class Call:
             return
         self.chat_body = body
         try:
-            recorded = functools.partial(self.state.store.recent_threads, self.session.id, THREADS_PER_SESSION)
+            # A session's first call has nothing recorded to continue: no read on its hot path.
+            recorded = (
+                functools.partial(self.state.store.recent_threads, self.session.id, THREADS_PER_SESSION)
+                if self.seq > 1
+                else None
+            )
             plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.seq, recorded)
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
