@@ -237,6 +237,7 @@ async def healthz(request: Request) -> dict[str, Any]:
         ],
         "recorder_queue": state.store.queue_depth,
         "record_failures": state.store.write_failures,
+        "caches": state.caches(),  # each per-process cache's entries, bytes and budget
     }
 
 

@@ -13,10 +13,11 @@ from proxy.anthropic import router as anthropic_router
 from proxy.anthropic import to_chat
 from proxy.errors import BadRequest, install_handlers
 from proxy.openai_api import router
-from proxy.responses import RecentResponses, warm
 from proxy.responses import router as responses_router
+from proxy.responses import warm
 from proxy.settings import Settings
-from proxy.state import ProxyState
+from proxy.state import ProxyState, RecentResponses
+from proxy.threads import Threads
 from proxy.upstream import Upstreams
 from recorder import Store
 
@@ -45,8 +46,14 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             await store.close()
 
     app = FastAPI(title="rl-proxy", lifespan=lifespan, dependencies=[Depends(no_nul)])
-    app.state.rlp = ProxyState(settings, store, upstreams)
-    app.state.recent_responses = RecentResponses()
+    mib = 2**20
+    app.state.rlp = ProxyState(
+        settings,
+        store,
+        upstreams,
+        threads=Threads(int(settings.thread_cache_mb * mib)),
+        recent_responses=RecentResponses(int(settings.response_cache_mb * mib)),
+    )
     install_handlers(app)
     for prefix in ("/v1", "/s/{session}/v1"):
         app.include_router(router, prefix=prefix)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -228,7 +229,8 @@ class Call:
         answers: list[Answer] = []
         if error is None and self.chat_body is not None and capture.prompt_token_ids:
             messages = capture.messages()
-            answers = [Answer(messages[i], c.token_ids, c.finish_reason) for i, c in sorted(capture.choices.items())]
+            chosen = sorted(capture.choices.items())
+            answers = [Answer(messages[i], array("i", c.token_ids), c.finish_reason) for i, c in chosen]
             thread = thread_state(self.chat_body, answers)
         call = CallRecord(
             session_id=self.session.id,

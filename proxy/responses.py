@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
@@ -46,7 +45,7 @@ from proxy.forwarding import (
 )
 from proxy.litellm_bridge import jsonable, litellm
 from proxy.state import ProxyState
-from recorder import CallRecord, SessionInfo
+from recorder import SessionInfo
 
 API = "openai.responses"
 router = APIRouter()
@@ -60,38 +59,14 @@ FINAL = ("response.completed", "response.incomplete")  # the events that end a s
 FINAL_EVENTS = tuple(f"event: {name}\n".encode() for name in FINAL)
 
 
-class RecentResponses:
-    """The last answered Responses calls, by (session, response id), the least recently used
-    dropped first; the store is read on a miss (after a restart, or for an old response)."""
-
-    def __init__(self, size: int = 2048) -> None:
-        self.size = size
-        self._items: OrderedDict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = OrderedDict()
-
-    def remember(self, call: CallRecord) -> None:
-        if call.answered and call.response_id and call.response:
-            key = (call.session_id, call.response_id)
-            self._items[key] = (call.request, call.response)
-            self._items.move_to_end(key)
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
-
-    def get(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        found = self._items.get((session_id, response_id))
-        if found is None:
-            return None
-        self._items.move_to_end((session_id, response_id))
-        # A copy, as from the database: the translators may change what they are given.
-        return orjson.loads(orjson.dumps(found[0])), orjson.loads(orjson.dumps(found[1]))
-
-
 async def stored_response(
     request: Request, session_id: str, response_id: str
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The request and answer of this session's answered response `response_id`."""
     state: ProxyState = request.app.state.rlp
-    recent: RecentResponses = request.app.state.recent_responses
-    return recent.get(session_id, response_id) or await state.store.stored_response(session_id, response_id)
+    return state.recent_responses.get(session_id, response_id) or await state.store.stored_response(
+        session_id, response_id
+    )
 
 
 def warm() -> None:
@@ -199,7 +174,7 @@ async def responses(request: Request) -> Response:
     ask_for_tokens(state, chat)
     call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
     call.response_id = f"resp_{uuid.uuid4().hex}"
-    call.on_recorded = request.app.state.recent_responses.remember
+    call.on_recorded = request.app.state.rlp.recent_responses.remember
     call.rewrites = await fit_to_backend(state, chat, session)
     await call.plan_prompt(chat)
     try:

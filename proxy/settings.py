@@ -38,6 +38,9 @@ class Settings(BaseSettings):
         2048, description="cap on a completion's length (harnesses often ask for none, or 32000)"
     )
     max_choices: int = Field(16, description="largest 'n' (choices per call) a client may ask for")
+    # Per-process caches, each a shortcut to the store: what they cannot hold is read back.
+    thread_cache_mb: float = Field(256, gt=0, description="MiB of token-in threads kept in memory")
+    response_cache_mb: float = Field(64, gt=0, description="MiB of Responses answers kept in memory")
     # Any other OpenAI-compatible upstream (a provider, a litellm proxy): calls are recorded as
     # text, without token ids, for distillation or evaluation; trajectories skip them.
     upstream_token_ids: bool = Field(True, description="ask the upstream for token ids and logprobs (vLLM)")

@@ -3,16 +3,18 @@ and the narrow seam to the recorder: the few things the proxy asks of a store.""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import orjson
 
 from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.threads import Threads
 from proxy.upstream import Upstreams
 from recorder import CallRecord, SessionInfo
+from recorder.caches import ByteLRU
 from recorder.episodes import EndStatus, EpisodeOutcome
 
 
@@ -38,6 +40,7 @@ class Recorder(Protocol):
         self, session_id: str, status: EndStatus = "ended", outcome: EpisodeOutcome | None = None
     ) -> Awaitable[None]: ...
     def recent_threads(self, session_id: str, limit: int) -> Awaitable[list[CallRecord]]: ...  # token-in
+    def key_cache_usage(self) -> dict[str, int]: ...  # its sessions-by-key cache (/healthz)
     def stored_response(
         self, session_id: str, response_id: str
     ) -> Awaitable[tuple[dict[str, Any], dict[str, Any]] | None]: ...
@@ -46,26 +49,40 @@ class Recorder(Protocol):
 class CallNumbers:
     """Each session's call numbers (1, 2, ...), counted on the event loop only. A session first
     seen here continues after its last recorded call; a call the store moved (another proxy took
-    its number first) moves the count on. Sessions not used for a while are forgotten and read
-    again when they come back, so memory stays bounded."""
+    its number first) moves the count on. Bounded by bytes: sessions not used for a while are
+    forgotten and read again when they come back."""
 
-    def __init__(self, limit: int = 100_000) -> None:
-        self._last: OrderedDict[str, int] = OrderedDict()
-        self._limit = limit
+    def __init__(self, budget: int = 16 * 2**20) -> None:
+        self.cache: ByteLRU[str, int] = ByteLRU(budget, lambda _: 32)
 
     async def next(self, recorder: Recorder, session_id: str) -> int:
-        if session_id not in self._last:
+        if session_id not in self.cache:
             last = await recorder.last_seq(session_id)
-            self._last[session_id] = max(last, self._last.get(session_id, 0))  # another call may have come first
-        self._last.move_to_end(session_id)
-        self._last[session_id] += 1
-        if len(self._last) > self._limit:
-            self._last.popitem(last=False)
-        return self._last[session_id]
+            self.cache[session_id] = max(last, self.cache.get(session_id, 0))  # another call may have come first
+        self.cache[session_id] += 1
+        return self.cache[session_id]
 
     def recorded(self, call: CallRecord) -> None:
-        if call.seq > self._last.get(call.session_id, call.seq):
-            self._last[call.session_id] = call.seq
+        if call.seq > self.cache.get(call.session_id, call.seq):
+            self.cache[call.session_id] = call.seq
+
+
+class RecentResponses:
+    """The last answered Responses calls (request and answer, as JSON), by (session, response
+    id), within a byte budget; the store is read on a miss (after a restart, another proxy's
+    response, or an old one)."""
+
+    def __init__(self, budget: int = 64 * 2**20) -> None:
+        self.cache: ByteLRU[tuple[str, str], tuple[bytes, bytes]] = ByteLRU(budget, lambda v: len(v[0]) + len(v[1]))
+
+    def remember(self, call: CallRecord) -> None:
+        if call.answered and call.response_id and call.response:
+            self.cache[call.session_id, call.response_id] = (orjson.dumps(call.request), orjson.dumps(call.response))
+
+    def get(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        found = self.cache.get((session_id, response_id))
+        # A copy, as from the database: the translators may change what they are given.
+        return None if found is None else (orjson.loads(found[0]), orjson.loads(found[1]))
 
 
 @dataclass
@@ -76,6 +93,16 @@ class ProxyState:
     metrics: Metrics = field(default_factory=Metrics)
     numbers: CallNumbers = field(default_factory=CallNumbers)
     threads: Threads = field(default_factory=Threads)
+    recent_responses: RecentResponses = field(default_factory=RecentResponses)
+
+    def caches(self) -> dict[str, dict[str, int]]:
+        """Each per-process cache's entries, bytes and budget (/healthz)."""
+        return {
+            "threads": self.threads.cache.usage(),
+            "responses": self.recent_responses.cache.usage(),
+            "call_numbers": self.numbers.cache.usage(),
+            "session_keys": self.store.key_cache_usage(),
+        }
 
     def observe(self, call: CallRecord) -> None:
         m = self.metrics

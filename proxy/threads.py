@@ -36,21 +36,22 @@ import hashlib
 import logging
 import re
 from array import array
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from cachetools import LRUCache
 
 from proxy.upstream import Upstream
 from recorder import CallRecord
+from recorder.caches import ByteLRU
 
 log = logging.getLogger("rl_proxy.threads")
 
 THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 THREADS_PER_SESSION = 4  # a harness may fork: retries, sub-agents, n > 1
-SESSIONS = 2_000  # sessions whose threads are kept: at most 8,000 prompts of 4 bytes a token
+END_OF_TURN_TEMPLATES = 1024  # model and template pairs whose end-of-turn token is kept
 RENDER_TIMEOUT = 10.0  # seconds a rendering may take before the call goes as messages
 
 
@@ -106,7 +107,7 @@ class Answer:
     """One sampled choice of a thread's call."""
 
     message: dict[str, Any]  # the assistant message as the upstream answered it
-    sampled: list[int]
+    sampled: array[int]  # 4 bytes a token
     finish_reason: str | None
 
 
@@ -162,14 +163,25 @@ def thread_state(body: dict[str, Any], answers: list[Answer]) -> dict[str, Any]:
     return {"messages": messages, "tools": tools_key(body).hex(), "answers": kept}
 
 
+def _size(threads: tuple[Thread, ...]) -> int:
+    """A session's threads in bytes, about: their token arrays, digests and answers as JSON."""
+    return sum(
+        len(t.prompt_ids) * 4
+        + len(t.messages) * 48
+        + sum(len(a.sampled) * 4 + len(orjson.dumps(a.message)) for a in t.answers)
+        for t in threads
+    )
+
+
 class Threads:
     """The open threads of recent sessions, and the end-of-turn token of each served model.
-    Bounded: sessions not used for a while are forgotten (their next call starts a thread)."""
+    Bounded by bytes (`budget`): the sessions used least recently are forgotten, and read back
+    from the store when they come back."""
 
-    def __init__(self, sessions: int = SESSIONS) -> None:
-        self._by_session: OrderedDict[str, list[Thread]] = OrderedDict()
-        self._sessions = sessions
-        self.end_of_turn: dict[bytes, int | str] = {}  # a model and template: its end-of-turn token (or why none)
+    def __init__(self, budget: int = 256 * 2**20) -> None:
+        self.cache: ByteLRU[str, tuple[Thread, ...]] = ByteLRU(budget, _size)
+        # a model and template: its end-of-turn token (or why none)
+        self.end_of_turn: LRUCache[bytes, int | str] = LRUCache(END_OF_TURN_TEMPLATES)
         self.unrendering: set[str] = set()  # upstreams without /tokenize
 
     def add(
@@ -183,7 +195,7 @@ class Threads:
         """Learn the threads of recorded calls of the session (newest first) that this proxy did
         not serve, or has forgotten: another proxy's, or its own before a restart. Whether any
         was new."""
-        known = {t.call_id for t in self._by_session.get(session_id, [])}
+        known = {t.call_id for t in self.cache.get(session_id, ())}
         new = False
         for call in reversed(calls):
             state = call.thread
@@ -192,7 +204,7 @@ class Threads:
             try:
                 chosen = sorted(call.completions, key=lambda c: c.index)
                 answers = [
-                    Answer(a["message"], c.token_ids, a["finish_reason"])
+                    Answer(a["message"], array("i", c.token_ids), a["finish_reason"])
                     for a, c in zip(state["answers"], chosen, strict=True)
                 ]
                 messages = [bytes.fromhex(m) for m in state["messages"]]
@@ -207,16 +219,11 @@ class Threads:
         return new
 
     def _keep(self, session_id: str, thread: Thread) -> None:
-        threads = self._by_session.setdefault(session_id, [])
-        threads.append(thread)
-        del threads[:-THREADS_PER_SESSION]
-        self._by_session.move_to_end(session_id)
-        if len(self._by_session) > self._sessions:
-            self._by_session.popitem(last=False)
+        self.cache[session_id] = (*self.cache.get(session_id, ()), thread)[-THREADS_PER_SESSION:]
 
     def _continued(self, session_id: str, messages: list[dict[str, Any]], tools: bytes) -> tuple[Thread, Answer] | str:
         """The thread (and its answer) that `messages` continue, or why none does."""
-        threads = self._by_session.get(session_id)
+        threads = self.cache.get(session_id)
         if not threads:
             return "first call of the session seen by this proxy"
         why = "the conversation is not a continuation of an earlier call's"
@@ -276,7 +283,7 @@ class Threads:
             return self._unrendered(upstream, eot)
         if eot in answer.sampled[:-1]:
             return Plan(None, f"the answer holds the end-of-turn token {eot} before its end")
-        sequence = thread.prompt_ids.tolist() + answer.sampled
+        sequence = thread.prompt_ids.tolist() + answer.sampled.tolist()
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
         n = sequence.count(eot) + (0 if closed else 1)
         rendered = await render(upstream, body)

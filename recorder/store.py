@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
+from recorder.caches import ByteLRU
 from recorder.episodes import EpisodeOutcome, RewardRule, SessionStatus
 from recorder.errors import SchemaMismatch, SessionConflict, store_error, translated
 from recorder.reads import Reads, session_info
@@ -45,7 +45,12 @@ from recorder.writer import Write, Writer
 
 log = logging.getLogger("rl_proxy.recorder")
 
-KNOWN_KEYS = 100_000  # sessions looked up by key that stay in memory (the least recently used go)
+
+def _session_bytes(info: SessionInfo) -> int:
+    return 512 + len(info.id) + len(info.key) + len(orjson.dumps(info.metadata))  # its labels, as JSON
+
+
+KEY_CACHE_BYTES = 32 * 2**20  # sessions looked up by key kept in memory (the least recently used go)
 
 
 def utcnow() -> datetime:
@@ -84,7 +89,8 @@ class Store(Reads):
             event.listen(self.write_engine, "connect", _sqlite_pragmas)
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.writer = Writer(self.write_engine)
-        self._by_key: OrderedDict[str, SessionInfo] = OrderedDict()  # key digest: its session
+        # key digest: its session
+        self._by_key: ByteLRU[str, SessionInfo] = ByteLRU(KEY_CACHE_BYTES, _session_bytes, self._forget)
         self._digest_of: dict[str, str] = {}  # session id: its key digest, for what _by_key holds
         self._creating: dict[str, asyncio.Future[None]] = {}  # key digest: its session's insert
         self._new_ids: set[str] = set()  # ids of those sessions
@@ -176,7 +182,6 @@ class Store(Reads):
             await asyncio.wait([creating])
         cached = self._by_key.get(digest)
         if cached is not None:
-            self._by_key.move_to_end(digest)
             return cached
         async with self._sessions() as s:
             row = await s.scalar(select(SessionRow).where(SessionRow.key == digest))
@@ -188,10 +193,14 @@ class Store(Reads):
 
     def _remember(self, digest: str, info: SessionInfo) -> None:
         self._by_key[digest] = info
-        self._digest_of[info.id] = digest
-        if len(self._by_key) > KNOWN_KEYS:
-            _, dropped = self._by_key.popitem(last=False)
-            self._digest_of.pop(dropped.id, None)
+        if digest in self._by_key:  # kept
+            self._digest_of[info.id] = digest
+
+    def _forget(self, digest: str, info: SessionInfo) -> None:
+        self._digest_of.pop(info.id, None)
+
+    def key_cache_usage(self) -> dict[str, int]:
+        return self._by_key.usage()
 
     @translated
     async def last_seq(self, session_id: str) -> int:

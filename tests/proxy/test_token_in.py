@@ -123,6 +123,25 @@ def test_any_edit_of_a_message_the_model_did_not_sample_starts_a_new_thread(make
     assert joined == {name: name in ("same", "cache_control moved") for name in edits}
 
 
+def test_threads_the_cache_cannot_hold_are_read_back(make_proxy: Any, stub: str) -> None:
+    """The thread cache is bounded by bytes: two sessions taking turns on a proxy whose budget
+    holds one session's threads evict each other at every call, and every continuing call still
+    joins (its thread read back from the store). /healthz shows each cache within its budget."""
+    proxy = make_proxy(stub, thread_cache_mb=0.0015)  # about 1,570 bytes: one session's threads
+    histories: dict[str, list[dict[str, Any]]] = {k: [{"role": "user", "content": "hi"}] for k in ("s-a", "s-b")}
+    for n in range(3):
+        for key, messages in histories.items():
+            body = {"model": MODEL, "messages": messages}
+            httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": key}).raise_for_status()
+            messages += [{"role": "assistant", "content": "stub answer"}, {"role": "user", "content": f"and {n}?"}]
+    caches = httpx.get(f"{proxy.url}/healthz").json()["caches"]
+    assert caches["threads"]["entries"] == 1, caches  # the other session was evicted
+    assert all(c["bytes"] <= c["budget"] for c in caches.values()), caches
+    for key in histories:
+        calls = proxy.calls(key)
+        assert [c.token_in for c in calls] == [False, True, True], [c.thread_start for c in calls]
+
+
 def test_a_thread_continues_across_proxies_and_after_a_restart(make_proxy: Any, stub: str, tmp_path: Path) -> None:
     """Threads lived in one proxy's memory: a session whose calls went to another proxy on the
     same store (round robin behind a load balancer), or to a restarted one, started a new thread

@@ -6,21 +6,24 @@ import asyncio
 import logging
 import threading
 import time
+from array import array
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from benchmarks.support.samples import call
 from proxy.capture import Capture, client_view
-from proxy.responses import RecentResponses
 from proxy.sessions import parse_key
+from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer
+from recorder.caches import ENTRY
 
 
 def test_plain_key_names_the_session_but_a_secret_one_does_not() -> None:
@@ -124,8 +127,9 @@ def test_client_view_nulls_only_what_was_not_asked() -> None:
 
 def test_recent_responses_drop_the_least_recently_used() -> None:
     """A long previous_response_id chain keeps reading its oldest turns: reading one keeps it."""
-    recent = RecentResponses(size=2)
     first, second, third = (replace(call("s", n, [n]), response_id=f"resp_{n}") for n in (1, 2, 3))
+    one = ENTRY + len(orjson.dumps(first.request)) + len(orjson.dumps(first.response))
+    recent = RecentResponses(budget=2 * one + one // 2)  # room for two answers
     recent.remember(first)
     recent.remember(second)
     assert recent.get("s", "resp_1") == (first.request, first.response)
@@ -135,6 +139,10 @@ def test_recent_responses_drop_the_least_recently_used() -> None:
     assert recent.get("other-session", "resp_1") is None
     recent.remember(replace(call("s", 4, [4], ok=False), response_id="resp_4"))  # a failed call is not kept
     assert recent.get("s", "resp_4") is None
+    huge = replace(call("s", 5, [5]), response_id="resp_5", request={"input": "x" * 3 * one})
+    recent.remember(huge)  # over the whole budget: not kept, and nothing else is dropped for it
+    assert recent.get("s", "resp_5") is None and recent.get("s", "resp_1") is not None
+    assert recent.cache.usage()["bytes"] <= recent.cache.usage()["budget"]
 
 
 def test_vllm_start_progress_in_a_log_is_a_line_every_few_seconds(tmp_path: Path, capsys: Any) -> None:
@@ -281,7 +289,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
             "c1",
             {"model": "m", "messages": ask},
             prompt,
-            [Answer({"role": "assistant", "content": "ok"}, sampled, finish)],
+            [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), finish)],
         )
         follow = {
             "model": "m",
@@ -305,7 +313,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
             "c1",
             {"model": "m", "messages": ask},
             [*prompt, E],
-            [Answer({"role": "assistant", "content": "ok"}, sampled, "stop")],
+            [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), "stop")],
         )
         assert why in str((await threads.plan(upstream, "s", follow)).why)
     assert histories == [follow["messages"][:2]]  # the answer that holds the end-of-turn token is refused first

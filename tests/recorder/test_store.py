@@ -115,7 +115,7 @@ async def test_call_numbers_continue_a_stored_session_and_stay_bounded(db: str) 
         await store.resolve_session(SessionInfo(id="b", key="b"))
         for seq in (1, 2, 3):
             await store.record(call("a", seq, [seq]))
-        numbers = CallNumbers(limit=1)
+        numbers = CallNumbers(budget=400)  # room for one session
         assert [await numbers.next(store, "a") for _ in range(2)] == [4, 5]
         assert await numbers.next(store, "b") == 1  # "a" is forgotten: one session is kept
         assert await numbers.next(store, "a") == 4  # read again: 4 and 5 were never recorded
