@@ -65,6 +65,8 @@ def serve(
     _log_setup()
     try:
         raise typer.Exit(run(settings))
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, once uvicorn has answered the calls in flight
+        raise typer.Exit(0) from exc
     except BackendError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc

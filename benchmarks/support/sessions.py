@@ -28,14 +28,16 @@ ASK = [{"role": "user", "content": "Add 2 and 3 with the add tool, then add 4 to
 ADD = {"name": "add", "description": "Add two integers.", "input_schema": ADD_TOOL["function"]["parameters"]}
 
 
-def tool_session(url: str | list[str], key: str, model: str, stream: bool = False) -> None:
+def tool_session(url: str | list[str] | Callable[[int], str], key: str, model: str, stream: bool = False) -> None:
     """Three calls of the openai SDK: two forced `add` calls answered with tool results, then one
     free answer, each call sending the whole conversation again as a harness does; with several
-    URLs (proxies), call n goes to the n-th, as a load balancer would send them."""
+    URLs (proxies), call n goes to the n-th, as a load balancer would send them; or to what
+    `url(n)` answers."""
     urls = [url] if isinstance(url, str) else url
     messages: list[dict[str, Any]] = list(ASK)
     for turn in range(3):
-        client = OpenAI(base_url=urls[turn % len(urls)], api_key=key, max_retries=0)
+        base = url(turn) if callable(url) else urls[turn % len(urls)]
+        client = OpenAI(base_url=base, api_key=key, max_retries=0)
         kwargs: Any = dict(
             model=model,
             messages=messages,

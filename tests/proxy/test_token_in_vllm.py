@@ -4,6 +4,10 @@ training sequence whose masked-in tokens are exactly the sampled ids, where the 
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +22,9 @@ from benchmarks.support.sessions import (
     think_session,
     tool_session,
 )
-from benchmarks.support.stack import Upstream, direct_chat
-from recorder import CallRecord
+from benchmarks.support.stack import Upstream, direct_chat, process, read_store
+from proxy.vllm import free_port
+from recorder import CallRecord, Store
 from recorder.trajectories import build_sequences
 
 pytestmark = pytest.mark.vllm
@@ -54,6 +59,35 @@ def test_a_tool_calling_session_is_one_exact_sequence_across_proxies_on_one_stor
     proxies = [make_proxy(vllm.url, db=db) for _ in range(3)]
     tool_session([p.v1 for p in proxies], "ti-across", vllm.model)
     assert_one_exact_sequence(proxies[0].calls("ti-across"))
+
+
+def test_a_tool_calling_session_is_one_exact_sequence_though_its_proxy_is_killed_between_calls(
+    vllm: Upstream, tmp_path: Path
+) -> None:
+    """`rl-proxy serve` in a process of its own, stopped after each call and started again (as a
+    supervisor restarts it) before the next: with SIGTERM after the first call, SIGKILL after
+    the second. Each new process reads the thread back from the store."""
+    db = str(tmp_path / "calls.db")
+    with ExitStack() as running:
+        served: list[subprocess.Popen[bytes]] = []
+
+        def restarted(turn: int) -> str:
+            if served:
+                served[-1].send_signal([signal.SIGTERM, signal.SIGKILL][turn - 1])
+                served[-1].wait(30)
+            port = free_port()
+            cmd = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", vllm.url, "--db", db, "--port", str(port)]
+            health, log = f"http://127.0.0.1:{port}/healthz", tmp_path / f"proxy-{turn}.log"
+            served.append(running.enter_context(process(cmd, health, log)))
+            return f"http://127.0.0.1:{port}/v1"
+
+        tool_session(restarted, "ti-restarts", vllm.model)
+    assert [p.returncode for p in served[:2]] == [0, -signal.SIGKILL]  # SIGTERM stops it cleanly
+    assert_one_exact_sequence(read_store(db, lambda s: _calls(s, "ti-restarts")))
+
+
+async def _calls(store: Store, session_id: str) -> list[CallRecord]:
+    return [c async for c in store.iter_calls(session_id)]
 
 
 def test_in_messages_mode_the_template_breaks_the_same_session_apart(make_proxy: Any, vllm: Upstream) -> None:
