@@ -110,8 +110,13 @@ class Store(Reads):
         if url.drivername.startswith("sqlite") and url.database:
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
         async with self.engine.begin() as conn:
+            # One store at a time creates or migrates the schema: replicas started together on a
+            # new database raced in CREATE TABLE, and all but one failed to start.
+            if self.engine.dialect.name == "sqlite":
+                await conn.exec_driver_sql("BEGIN IMMEDIATE")  # the write lock, held until commit
+            elif self.engine.dialect.name == "postgresql":
+                await conn.execute(text("SELECT pg_advisory_xact_lock(7262716)"))  # DDL is transactional
             await conn.run_sync(Base.metadata.create_all)
-        async with self.engine.begin() as conn:
             found = await conn.scalar(select(func.max(SchemaVersionRow.version)))
             if found is not None and found > SCHEMA_VERSION:
                 raise SchemaMismatch(

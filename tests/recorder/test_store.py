@@ -340,3 +340,18 @@ async def test_recent_threads_are_the_newest_calls_that_have_one(db: str) -> Non
             await store.record(replace(call("s", seq, [seq]), thread=state))
         found = await store.recent_threads("s", 4)
     assert [c.seq for c in found] == [2, 1] and all(c.thread for c in found)
+
+
+async def test_stores_opened_at_once_on_a_new_database_create_it_once(db: str) -> None:
+    """Replicas of a deployment start together on a new database: each store creates the schema
+    if it is missing. On PostgreSQL two such CREATE TABLEs raced (a unique violation in
+    pg_type) and a proxy failed to start; now the first takes a lock and the others find it made."""
+    stores = [Store(db) for _ in range(4)]
+    await asyncio.gather(*(s.open() for s in stores))
+    try:
+        await stores[0].resolve_session(SessionInfo(id="a", key="a"))
+        await stores[1].record(call("a", 1, [1]))
+        assert [c.seq async for c in stores[2].iter_calls("a")] == [1]
+    finally:
+        for s in stores:
+            await s.close()
