@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install system lock train demo test soak lint fmt bench bench-train-step bench-viewer bench-scale serve
+.PHONY: install system lock train demo test soak soak-scale lint fmt bench bench-train-step bench-viewer bench-scale serve
 
 install: $(STAMP)
 
@@ -49,13 +49,15 @@ demo: install
 
 # The system tools the suite needs, from Debian's packages: bubblewrap (the shell example's
 # sandbox, in which the harness tests run the model's commands), chromium (the viewer's browser
-# test), postgresql (every store test runs on PostgreSQL too). Installed with apt-get as root;
+# test), postgresql (every store test runs on PostgreSQL too), nginx (the load balancer in front
+# of the proxies in the scale soak and its short test). Installed with apt-get as root;
 # otherwise make stops with the one command to run. `make test` then requires them
 # (RLP_REQUIRE_SYSTEM): a test never skips for want of one.
 system:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -74,6 +76,12 @@ test: install system
 soak: install
 	$(PY) -m benchmarks.soak --seconds 150
 	RLP_FUZZ_EXAMPLES=200 $(PY) -m pytest -q --timeout=0 tests/proxy/test_fuzz.py
+
+# The scale soak: 1,000 sessions through 4 proxies behind nginx (round robin) on one PostgreSQL,
+# while one proxy is SIGKILLed and restarted, the database connections are cut and PostgreSQL
+# crashes and restarts (stub upstream, loopback); about 7 minutes.
+soak-scale: install system
+	$(PY) -m benchmarks.soak_scale --plot docs/images/soak-scale-memory.png
 
 lint: install
 	$(PY) -m ruff check .

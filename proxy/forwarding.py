@@ -8,7 +8,6 @@ answer shapes around these pieces.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +39,8 @@ from proxy.state import ProxyState
 from proxy.threads import THREADS_PER_SESSION, Answer, Plan, thread_state
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
+from recorder.errors import StoreError
+from recorder.records import ThreadRecord
 from recorder.store import SessionConflict, utcnow
 
 log = logging.getLogger("rl_proxy.proxy")
@@ -184,11 +185,7 @@ class Call:
         self.chat_body = body
         try:
             # A session's first call has nothing recorded to continue: no read on its hot path.
-            recorded = (
-                functools.partial(self.state.store.recent_threads, self.session.id, THREADS_PER_SESSION)
-                if self.seq > 1
-                else None
-            )
+            recorded = self.recorded_threads if self.seq > 1 else None
             plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.seq, recorded)
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
@@ -200,6 +197,18 @@ class Call:
         self.prompt_ids, self.thread_start = plan.prompt_ids, why and why[:256]  # the column's width
         if plan.prompt_ids is not None:
             body["kv_transfer_params"] = {"prompt_token_ids": plan.prompt_ids}
+
+    async def recorded_threads(self) -> list[ThreadRecord]:
+        """The session's recorded threads. A read that fails (a connection cut, the database
+        restarting) is tried again for up to about 4 s before the call goes without token-in."""
+        for wait in (0.25, 0.5, 1.0, 2.0, None):
+            try:
+                return await self.state.store.recent_threads(self.session.id, THREADS_PER_SESSION)
+            except StoreError:
+                if wait is None:
+                    raise
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
 
     def pin(self, upstream: Upstream) -> None:
         """Send the call to `upstream` (the session's; another if that one is down)."""

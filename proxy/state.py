@@ -16,6 +16,7 @@ from proxy.upstream import Upstreams
 from recorder import CallRecord, SessionInfo
 from recorder.caches import ByteLRU
 from recorder.episodes import EndStatus, EpisodeOutcome
+from recorder.records import ThreadRecord
 
 
 class Recorder(Protocol):
@@ -39,7 +40,7 @@ class Recorder(Protocol):
     def end_session(
         self, session_id: str, status: EndStatus = "ended", outcome: EpisodeOutcome | None = None
     ) -> Awaitable[None]: ...
-    def recent_threads(self, session_id: str, limit: int) -> Awaitable[list[CallRecord]]: ...  # token-in
+    def recent_threads(self, session_id: str, limit: int) -> Awaitable[list[ThreadRecord]]: ...  # token-in
     def key_cache_usage(self) -> dict[str, int]: ...  # its sessions-by-key cache (/healthz)
     def stored_response(
         self, session_id: str, response_id: str

@@ -44,8 +44,8 @@ import orjson
 from cachetools import LRUCache
 
 from proxy.upstream import Upstream
-from recorder import CallRecord
 from recorder.caches import ByteLRU
+from recorder.records import ThreadRecord
 
 log = logging.getLogger("rl_proxy.threads")
 
@@ -191,21 +191,20 @@ class Threads:
         messages = [exact(m) for m in body.get("messages") or [] if isinstance(m, dict)]
         self._keep(session_id, Thread(call_id, messages, tools_key(body), array("i", prompt_ids), answers))
 
-    def restore(self, session_id: str, calls: list[CallRecord]) -> bool:
+    def restore(self, session_id: str, calls: list[ThreadRecord]) -> bool:
         """Learn the threads of recorded calls of the session (newest first) that this proxy did
         not serve, or has forgotten: another proxy's, or its own before a restart. Whether any
         was new."""
         known = {t.call_id for t in self.cache.get(session_id, ())}
         new = False
         for call in reversed(calls):
-            state = call.thread
-            if call.call_id in known or not state:
+            if call.call_id in known:
                 continue
+            state = call.thread
             try:
-                chosen = sorted(call.completions, key=lambda c: c.index)
                 answers = [
-                    Answer(a["message"], array("i", c.token_ids), a["finish_reason"])
-                    for a, c in zip(state["answers"], chosen, strict=True)
+                    Answer(a["message"], array("i", ids), a["finish_reason"])
+                    for a, ids in zip(state["answers"], call.sampled, strict=True)
                 ]
                 messages = [bytes.fromhex(m) for m in state["messages"]]
                 thread = Thread(
@@ -252,7 +251,7 @@ class Threads:
         session_id: str,
         body: dict[str, Any],
         seq: int = 0,
-        recorded: Callable[[], Awaitable[list[CallRecord]]] | None = None,
+        recorded: Callable[[], Awaitable[list[ThreadRecord]]] | None = None,
     ) -> Plan:
         """Token-in for call `seq`'s chat body bound for `upstream`: its prompt ids, or why it
         starts a thread. A second call continuing the same answer (a retry, a fork) is told so.

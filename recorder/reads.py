@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from recorder.episodes import EpisodeOutcome, RewardRule, Sampling, SessionStatus
 from recorder.errors import store_error, translated
-from recorder.records import CallRecord, Completion, SessionInfo
+from recorder.records import CallRecord, Completion, SessionInfo, ThreadRecord
 from recorder.schema import CallRow, CompletionRow, GroupRow, RewardRow, RunRow, SessionRow
 
 log = logging.getLogger("rl_proxy.recorder")
@@ -248,12 +248,27 @@ class Reads:
             last = found[-1][1].seq if session_id is not None else found[-1][0]
 
     @translated
-    async def recent_threads(self, session_id: str, limit: int) -> list[CallRecord]:
+    @translated
+    async def recent_threads(self, session_id: str, limit: int) -> list[ThreadRecord]:
         """A session's newest `limit` calls that token-in can continue (their `thread` state),
-        newest first: one query on the (session_id, seq) index."""
-        calls = CallRow.__table__
-        query = select(calls).where(calls.c.session_id == session_id, calls.c.thread.is_not(None))
-        return [call for _, call in await self._calls(query.order_by(calls.c.seq.desc()).limit(limit))]
+        newest first, with only what token-in needs: not the request (the whole conversation),
+        the answer or the logprobs. Two queries on the (session_id, seq) and call_id indexes."""
+        calls, completions = CallRow.__table__, CompletionRow.__table__
+        query = (
+            select(calls.c.id, calls.c.call_id, calls.c.seq, calls.c.prompt_token_ids, calls.c.thread)
+            .where(calls.c.session_id == session_id, calls.c.thread.is_not(None))
+            .order_by(calls.c.seq.desc())
+            .limit(limit)
+        )
+        sampled: dict[int, list[list[int]]] = {}
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+            chosen = select(completions.c.call_id, completions.c.token_ids).where(
+                completions.c.call_id.in_([r.id for r in rows])
+            )
+            for c in await conn.execute(chosen.order_by(completions.c.choice_index)):
+                sampled.setdefault(c.call_id, []).append(c.token_ids)
+        return [ThreadRecord(r.call_id, r.seq, r.prompt_token_ids, sampled.get(r.id, []), r.thread) for r in rows]
 
     async def _calls(self, query: Any) -> list[tuple[int, CallRecord]]:
         """The calls a query of the calls table selects, with their completions: (row id, call)."""

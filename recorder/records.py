@@ -111,3 +111,15 @@ class SessionInfo:
     def training_reward(self, rule: RewardRule) -> EpisodeReward:
         """The reward this episode trains with under `rule` (recorder/episodes.py)."""
         return episode_reward(self.status, self.outcome, self.reward, self.upstream_failures, rule)
+
+
+@dataclass(frozen=True)
+class ThreadRecord:
+    """What token-in needs of a recorded call to continue it (`Store.recent_threads`): its
+    `CallRecord.thread` state, prompt ids and each choice's sampled ids, by choice index."""
+
+    call_id: str
+    seq: int
+    prompt_token_ids: list[int]
+    sampled: list[list[int]]
+    thread: dict[str, Any]

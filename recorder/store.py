@@ -18,7 +18,7 @@ from uuid import uuid4
 
 import orjson
 from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, text, update
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
@@ -84,6 +84,8 @@ class Store(Reads):
         # by themselves when it is back (a file cannot go away so).
         self.engine = create_async_engine(engine_url, pool_pre_ping=not self.url.startswith("sqlite"), **options)
         self.write_engine = create_engine(sync_url(self.url), pool_size=1, **options)
+        if self.engine.dialect.name == "postgresql":
+            event.listen(self.engine.sync_engine, "handle_error", _broken_connection)
         if self.engine.dialect.name == "sqlite" and not readonly:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
             event.listen(self.write_engine, "connect", _sqlite_pragmas)
@@ -333,6 +335,19 @@ class Store(Reads):
                 conn.execute(insert(GroupRow).values(values))
 
         await self.submit(save)
+
+
+# How asyncpg reports a connection the server ended (terminated, restarted) in the middle of use.
+BROKEN = ("connection was closed in the middle of operation", "another operation is in progress")
+
+
+def _broken_connection(context: ExceptionContext) -> None:
+    """Count asyncpg's reports of a connection lost mid-use as disconnects, so that the pool drops
+    it: SQLAlchemy did not, the broken connection went back to the pool, and the next reads on it
+    failed too ("cannot switch to state 12; another operation is in progress"), seen in the scale
+    soak with the proxies' connections terminated."""
+    if any(words in str(context.original_exception) for words in BROKEN):
+        context.is_disconnect = True
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.soak_scale import nginx_bin
 from benchmarks.support.postgres import postgres_bin, temp_postgres
 from benchmarks.support.stack import RunningProxy, Upstream, new_database
 from benchmarks.support.stub_upstream import stub_app
@@ -59,13 +60,13 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
 
 
 # The Debian packages of the system tools tests need; `make test` installs them (Makefile).
-SYSTEM_PACKAGES = {"bwrap": "bubblewrap", "chromium": "chromium", "initdb": "postgresql"}
+SYSTEM_PACKAGES = {"bwrap": "bubblewrap", "chromium": "chromium", "initdb": "postgresql", "nginx": "nginx"}
 
 
 def system_tool(name: str) -> str:
     """The path of a system tool a test needs. Missing, the test is skipped with the same message
     everywhere, or fails where the tools are required (RLP_REQUIRE_SYSTEM=1: `make test`, CI)."""
-    found = shutil.which(name) if name != "initdb" else postgres_bin()
+    found = {"initdb": postgres_bin, "nginx": nginx_bin}.get(name, lambda: shutil.which(name))()
     if found is None:
         why = f"needs {name}: apt-get install {SYSTEM_PACKAGES[name]} (`make test` installs it)"
         if os.environ.get("RLP_REQUIRE_SYSTEM"):
@@ -83,6 +84,12 @@ def bwrap() -> str:
 @pytest.fixture
 def chromium() -> str:
     return system_tool("chromium")
+
+
+@pytest.fixture
+def nginx() -> str:
+    """The load balancer in front of several proxies (the scale soak)."""
+    return system_tool("nginx")
 
 
 @pytest.fixture(scope="session")

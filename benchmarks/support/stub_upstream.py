@@ -170,6 +170,41 @@ def stub_app(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """Text completions, whole or streamed, of the same COMPLETION ids; the prompt's ids are
+        what `render` makes of its text."""
+        body = orjson.loads(await request.body())
+        await asyncio.sleep(latency)
+        prompt = render([body.get("prompt")])
+        head = {"id": f"cmpl-stub-{time.monotonic_ns()}", "object": "text_completion", "model": MODEL}
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)}
+
+        def choice(text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
+            logprobs = {"tokens": [str(t) for t in ids], "token_logprobs": [-0.5] * len(ids)}
+            return {"index": 0, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
+
+        if not body.get("stream"):
+            whole = {
+                **head,
+                "prompt_token_ids": prompt,
+                "choices": [choice(answer, COMPLETION, "stop")],
+                "usage": usage,
+            }
+            return Response(orjson.dumps(whole), media_type="application/json")
+
+        async def events():  # type: ignore[no-untyped-def]
+            for i, token in enumerate(COMPLETION):
+                last = i == len(COMPLETION) - 1
+                first = {"prompt_token_ids": prompt} if i == 0 else {}
+                chunk = {**head, **first, "choices": [choice(f"t{token} ", [token], "stop" if last else None)]}
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     return app
 
 
