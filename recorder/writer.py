@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 
 from recorder.batches import insert_calls, number_calls
 from recorder.records import CallRecord
@@ -30,6 +31,7 @@ log = logging.getLogger("rl_proxy.recorder")
 Op = Callable[[Connection], object]
 Write = CallRecord | Op
 MAX_BATCH = 512
+ATTEMPTS = 3  # of a batch, when its connection dropped or its call numbers were taken meanwhile
 
 
 class Writer:
@@ -87,8 +89,10 @@ class Writer:
     def _commit_sync(self, writes: list[Write]) -> list[Any]:
         """Commit `writes` in one transaction; what each resolves to. A connection the server
         dropped (a restart) is replaced and the batch sent again, even if it dropped during
-        COMMIT: every write is idempotent, so one that was committed is not written twice."""
-        for attempt in range(2):
+        COMMIT: every write is idempotent, so one that was committed is not written twice. A
+        batch of calls whose numbers another proxy committed after they were read (a unique
+        violation) is numbered anew and sent again."""
+        for attempt in range(ATTEMPTS):
             if self._conn is None:
                 self._conn = self.engine.connect()
             conn = self._conn
@@ -103,8 +107,11 @@ class Writer:
                             insert_calls(conn, to_insert)
                         results.update(zip([i for i, _ in calls], recorded, strict=True))
                 return [results[i] for i in range(len(writes))]
+            except IntegrityError:
+                if attempt == ATTEMPTS - 1 or not any(isinstance(w, CallRecord) for w in writes):
+                    raise
             except Exception:
-                if not conn.invalidated or attempt == 1:
+                if not conn.invalidated or attempt == ATTEMPTS - 1:
                     raise
                 conn.close()
                 self._conn = None

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from benchmarks.support.stub_upstream import COMPLETION, MODEL, render
+from recorder.trajectories import build_sequences
 
 
 def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(make_proxy: Any, stub: str) -> None:
@@ -85,6 +86,41 @@ def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_sec
         "None",
         f"a fork: call {first.seq + 1} continued this answer first",
     ]
+
+
+def test_two_calls_continuing_one_answer_at_once_on_two_proxies_are_two_exact_sequences(
+    make_proxy: Any, stub: str, db: str
+) -> None:
+    """A fork across processes: the two branches go to two proxies on one store (neither served
+    the first call), each reads the thread back and continues the answer token-in; the session
+    becomes two exact sequences sharing the first call's tokens, as with a fork in one process.
+    Both proxies number their call 2: the one that commits second failed (a unique violation,
+    answered 503) until a batch whose numbers were taken meanwhile was numbered anew."""
+    first_proxy, left, right = (make_proxy(stub, db=db) for _ in range(3))
+    ask = [{"role": "user", "content": "hi"}]
+    headers = {"x-api-key": "s-fork-across"}
+    httpx.post(f"{first_proxy.v1}/chat/completions", json={"model": MODEL, "messages": ask}, headers=headers)
+    branches = [
+        [*ask, {"role": "assistant", "content": "stub answer"}, {"role": "user", "content": q}]
+        for q in ("left?", "right, at some length?")
+    ]
+
+    async def send_both() -> None:
+        async with httpx.AsyncClient(headers=headers) as client:
+            sent = [
+                client.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": m})
+                for proxy, m in zip((left, right), branches, strict=True)
+            ]
+            for answer in await asyncio.gather(*sent):
+                answer.raise_for_status()
+
+    asyncio.run(send_both())
+    calls = first_proxy.calls("s-fork-across")
+    assert [c.token_in for c in calls] == [False, True, True], [c.thread_start for c in calls]
+    sequences = build_sequences(calls).sequences  # as in one process: the later branch is a sequence of its own
+    assert [[span.seq for span in s.spans] for s in sequences] == [[1, 2], [3]]
+    shared = [*calls[0].prompt_token_ids, *COMPLETION]  # the first call's tokens, exact, in both
+    assert all(s.input_ids[: len(shared)] == shared for s in sequences)
 
 
 def test_any_edit_of_a_message_the_model_did_not_sample_starts_a_new_thread(make_proxy: Any, stub: str) -> None:
