@@ -14,9 +14,10 @@ Completions, Anthropic Messages and OpenAI Responses (each translated to a chat 
 whole and streamed, against a direct chat call of the same kind.
 
 A third gives the cost of token-in: 3-turn sessions (each call sends the conversation so far)
-through an rl-proxy with token-in and one in messages mode, side by side; a continuation call's
-latency with token-in (one /tokenize of the request to the stub, and the planning) against
-messages mode.
+through an rl-proxy with token-in, one whose thread cache holds nothing (every continuing call
+reads its thread back from the store, as a proxy that did not serve the previous call does) and
+one in messages mode, side by side; a continuation call's latency with token-in (one /tokenize
+of the request to the stub, and the planning) against messages mode, and what the read adds.
 """
 
 from __future__ import annotations
@@ -138,25 +139,29 @@ def main() -> None:
             print(f"  concurrency {level}: done", file=sys.stderr)
         api_rows, sent = translation_cost(stub, f"http://127.0.0.1:{rlp_port}/v1", args)
         sent_to_rlp += sent
-        plain_port = free_port()
-        with process(
-            [
-                py,
-                "-m",
-                "proxy.cli",
-                "serve",
-                "--upstream",
-                stub,
-                "--db",
-                str(work / "messages.db"),
-                "--port",
-                str(plain_port),
-                "--messages-mode",
-            ],
-            f"http://127.0.0.1:{plain_port}/healthz",
-            work / "messages-mode.log",
+        plain_port, reread_port = free_port(), free_port()
+        serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub]
+        with (
+            process(
+                [*serve, "--db", str(work / "messages.db"), "--port", str(plain_port), "--messages-mode"],
+                f"http://127.0.0.1:{plain_port}/healthz",
+                work / "messages-mode.log",
+            ),
+            process(  # a thread cache smaller than any thread: every continuing call reads its thread back
+                [*serve, "--db", str(work / "read-back.db"), "--port", str(reread_port)],
+                f"http://127.0.0.1:{reread_port}/healthz",
+                work / "read-back.log",
+                env={"RLP_THREAD_CACHE_MB": "0.0001"},
+            ),
         ):
-            token_in = token_in_cost(f"http://127.0.0.1:{rlp_port}/v1", f"http://127.0.0.1:{plain_port}/v1", args)
+            token_in = token_in_cost(
+                {
+                    "token-in": f"http://127.0.0.1:{rlp_port}/v1",
+                    "read back": f"http://127.0.0.1:{reread_port}/v1",
+                    "messages": f"http://127.0.0.1:{plain_port}/v1",
+                },
+                args,
+            )
         sent_to_rlp += token_in.pop("sent")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
     print(
@@ -182,12 +187,19 @@ def main() -> None:
     for api, mode, direct, median, high in api_rows:
         print(f"| {api} | {mode} | {direct:.1f} | {median:.2f} | {high:.2f} |")
     print(
-        f"\nA continuation call's latency with token-in against messages mode, ms ({args.api_level} concurrent "
-        f"3-turn sessions, stub upstream, {args.rounds} interleaved rounds)\n"
+        f"\nA continuation call's latency with token-in (its thread held, or read back from the store as by a "
+        f"proxy that did not serve the previous call) against messages mode, ms ({args.api_level} concurrent "
+        f"3-turn sessions, stub upstream, SQLite, {args.rounds} interleaved rounds)\n"
     )
-    print("| token-in median | messages mode median | added median |")
-    print("|---:|---:|---:|")
-    print(f"| {token_in['token-in']:.2f} | {token_in['messages']:.2f} | {token_in['added']:.2f} |")
+    print(
+        "| token-in median | token-in, thread read back, median | messages mode median | token-in added "
+        "| read back added |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    print(
+        f"| {token_in['token-in']:.2f} | {token_in['read back']:.2f} | {token_in['messages']:.2f} | "
+        f"{token_in['token-in'] - token_in['messages']:.2f} | {token_in['read back'] - token_in['token-in']:.2f} |"
+    )
     print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
     if recorded != sent_to_rlp:
         sys.exit("calls were lost")
@@ -248,16 +260,16 @@ async def sessions(url: str, concurrency: int, count: int, tag: str) -> list[flo
     return latencies
 
 
-def token_in_cost(token_in: str, messages_mode: str, args: argparse.Namespace) -> dict[str, float]:
+def token_in_cost(targets: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+    """Each target's median continuation latency, rounds interleaved; `sent`: calls to each."""
     level = args.api_level
     count = max(level * 2, int(args.seconds * level / args.latency / 3))
-    got: dict[str, list[float]] = {"token-in": [], "messages": []}
+    got: dict[str, list[float]] = {name: [] for name in targets}
     for round_ in range(args.rounds):
-        for name, url in (("token-in", token_in), ("messages", messages_mode)):
-            got[name] += asyncio.run(sessions(url, level, count, f"bench-ti-{name}-{round_}"))
+        for name, url in targets.items():
+            got[name] += asyncio.run(sessions(url, level, count, f"bench-ti-{name.replace(' ', '-')}-{round_}"))
     print("  token-in: done", file=sys.stderr)
-    medians = {name: statistics.median(values) for name, values in got.items()}
-    return {**medians, "added": medians["token-in"] - medians["messages"], "sent": 3 * count * args.rounds}
+    return {**{name: statistics.median(values) for name, values in got.items()}, "sent": 3 * count * args.rounds}
 
 
 if __name__ == "__main__":

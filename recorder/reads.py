@@ -252,23 +252,27 @@ class Reads:
     async def recent_threads(self, session_id: str, limit: int) -> list[ThreadRecord]:
         """A session's newest `limit` calls that token-in can continue (their `thread` state),
         newest first, with only what token-in needs: not the request (the whole conversation),
-        the answer or the logprobs. Two queries on the (session_id, seq) and call_id indexes."""
+        the answer or the logprobs. One query, on the (session_id, seq) and call_id indexes."""
         calls, completions = CallRow.__table__, CompletionRow.__table__
-        query = (
-            select(calls.c.id, calls.c.call_id, calls.c.seq, calls.c.prompt_token_ids, calls.c.thread)
+        newest = (
+            select(calls.c.id)
             .where(calls.c.session_id == session_id, calls.c.thread.is_not(None))
             .order_by(calls.c.seq.desc())
             .limit(limit)
         )
-        sampled: dict[int, list[list[int]]] = {}
+        query = (
+            select(calls.c.call_id, calls.c.seq, calls.c.prompt_token_ids, calls.c.thread, completions.c.token_ids)
+            .join(completions, completions.c.call_id == calls.c.id)
+            .where(calls.c.id.in_(newest))
+            .order_by(calls.c.seq.desc(), completions.c.choice_index)
+        )
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()
-            chosen = select(completions.c.call_id, completions.c.token_ids).where(
-                completions.c.call_id.in_([r.id for r in rows])
-            )
-            for c in await conn.execute(chosen.order_by(completions.c.choice_index)):
-                sampled.setdefault(c.call_id, []).append(c.token_ids)
-        return [ThreadRecord(r.call_id, r.seq, r.prompt_token_ids, sampled.get(r.id, []), r.thread) for r in rows]
+        found: dict[str, ThreadRecord] = {}
+        for r in rows:
+            found.setdefault(r.call_id, ThreadRecord(r.call_id, r.seq, r.prompt_token_ids, [], r.thread))
+            found[r.call_id].sampled.append(r.token_ids)
+        return list(found.values())
 
     async def _calls(self, query: Any) -> list[tuple[int, CallRecord]]:
         """The calls a query of the calls table selects, with their completions: (row id, call)."""
