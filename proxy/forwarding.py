@@ -173,6 +173,7 @@ class Call:
         self.chat_body: dict[str, Any] | None = None  # the upstream chat body, with token-in
         self.prompt_ids: list[int] | None = None  # the prompt token-in built
         self.thread_start: str | None = None
+        self.continues: dict[str, Any] | None = None  # the call and choice token-in continues
         self.model: str | None = None  # the served model the upstream was asked for (open_upstream)
         self.pin(self.state.upstreams.for_session(self.session.id))
 
@@ -195,6 +196,7 @@ class Call:
             plan = Plan(None, f"the token-in prompt ({len(plan.prompt_ids)} tokens) fills the context")
         why = plan.why or plan.fork
         self.prompt_ids, self.thread_start = plan.prompt_ids, why and why[:256]  # the column's width
+        self.continues = plan.continues
         if plan.prompt_ids is not None:
             body["kv_transfer_params"] = {"prompt_token_ids": plan.prompt_ids}
 
@@ -240,7 +242,7 @@ class Call:
             messages = capture.messages()
             chosen = sorted(capture.choices.items())
             answers = [Answer(messages[i], array("i", c.token_ids), c.finish_reason) for i, c in chosen]
-            thread = thread_state(self.chat_body, answers)
+            thread = thread_state(self.chat_body, answers, self.continues if token_in else None)
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,

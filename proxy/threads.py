@@ -132,6 +132,7 @@ class Plan:
     prompt_ids: list[int] | None
     why: str | None  # why the call starts a new thread (None: it continues one)
     fork: str | None = None  # a continuing call's, when another call continued the same answer first
+    continues: dict[str, Any] | None = None  # the call and choice it continues: {"call": call_id, "choice": i}
 
 
 # What renders a chat besides its messages (a change starts a new thread).
@@ -155,12 +156,14 @@ def tools_key(body: dict[str, Any]) -> bytes:
     return hashlib.blake2b(fields, digest_size=16).digest()
 
 
-def thread_state(body: dict[str, Any], answers: list[Answer]) -> dict[str, Any]:
+def thread_state(body: dict[str, Any], answers: list[Answer], continues: dict[str, Any] | None) -> dict[str, Any]:
     """What a call's record keeps (CallRecord.thread) for `Threads.restore`: its upstream
-    messages' and template inputs' digests, and each choice's message as the upstream answered."""
+    messages' and template inputs' digests, and each choice's message as the upstream answered;
+    for the session graph (recorder/graph.py), the call and choice it continues, if any."""
     messages = [exact(m).hex() for m in body.get("messages") or [] if isinstance(m, dict)]
     kept = [{"message": a.message, "finish_reason": a.finish_reason} for a in answers]
-    return {"messages": messages, "tools": tools_key(body).hex(), "answers": kept}
+    state = {"messages": messages, "tools": tools_key(body).hex(), "answers": kept}
+    return state | ({"continues": continues} if continues else {})
 
 
 def _size(threads: tuple[Thread, ...]) -> int:
@@ -306,7 +309,7 @@ class Threads:
         bridge = rendered[ends[n - 1] + (1 if closed else 0) :]
         first = thread.continued.setdefault(thread.answers.index(answer), seq)
         fork = None if first == seq else f"a fork: call {first} continued this answer first"
-        return Plan(sequence + bridge, None, fork)
+        return Plan(sequence + bridge, None, fork, {"call": thread.call_id, "choice": thread.answers.index(answer)})
 
 
 NO_RENDERING = "the upstream has no /tokenize to render requests with (token-in needs it)"

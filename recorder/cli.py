@@ -4,6 +4,7 @@ only, and work on a database copied off the machine the proxy ran on."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recorder import SessionInfo, Store
+from recorder.graph import delivery, edge_counts, place
 from recorder.paths import default_db, default_model_dir
 from recorder.report import session_lines, summarise
 from recorder.trajectories import build_sequences
@@ -134,10 +136,15 @@ def report(db: DbOption = None, run: Annotated[str | None, typer.Option(help="on
 
     async def work(store: Store) -> Any:
         sessions = await store.list_sessions(run=run)
-        reports = []
+        reports, edges, reached, sampled = [], Counter[str](), 0, 0
         for s in sessions:
-            reports.append(build_sequences([c async for c in store.iter_calls(s.id)], s))
-        return summarise(reports, {s.id: s.reward for s in sessions})
+            calls = [c async for c in store.iter_calls(s.id)]
+            reports.append(build_sequences(calls, s))
+            placements = place(calls)
+            edges.update(edge_counts(placements))
+            got, meant = delivery(calls, placements)
+            reached, sampled = reached + got, sampled + meant
+        return summarise(reports, {s.id: s.reward for s in sessions}, edges, (reached, sampled))
 
     console.print("\n".join(_with_store(db, work).lines()), markup=False, highlight=False)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from recorder.graph import Placement, place
 from recorder.records import CallRecord, Completion, SessionInfo
 from recorder.store import Store
 from recorder.trajectories import TrainingSequence, build_sequences
@@ -51,11 +52,23 @@ class Filter:
         )
 
 
-def call_json(call: CallRecord) -> dict[str, Any]:
+def _graph(placement: Placement) -> dict[str, Any]:
+    """Where a call sits in its session's graph (recorder/graph.py)."""
+    return {
+        "purpose": placement.purpose,
+        "edge": placement.edge,
+        "parent_call": placement.parent,
+        "root_call": placement.root,
+        "trained": placement.trained,
+    }
+
+
+def call_json(call: CallRecord, placement: Placement) -> dict[str, Any]:
     """A call as an export row; the first choice's tokens are also at the top level."""
     first = call.completions[0] if call.completions else Completion(0, [], [], None)
     return {
         **call.flat(),
+        **_graph(placement),
         "started_at": call.started_at.isoformat(),
         "finished_at": call.finished_at.isoformat(),
         "completion_token_ids": first.token_ids,
@@ -65,8 +78,10 @@ def call_json(call: CallRecord) -> dict[str, Any]:
     }
 
 
-def sequence_json(seq: TrainingSequence) -> dict[str, Any]:
+def sequence_json(seq: TrainingSequence, placement: Placement) -> dict[str, Any]:
+    """A training sequence; its graph fields are its first call's (how the row attached)."""
     return {
+        **_graph(placement),
         "session_id": seq.session_id,
         "chain": seq.chain,
         "run": seq.run,
@@ -136,15 +151,17 @@ async def rows(
     for session in sessions:
         if on_session is not None:
             on_session(len(sessions))
-        calls = [c async for c in store.iter_calls(session.id) if where.call(c)]
+        calls = [c async for c in store.iter_calls(session.id)]
+        placed = {p.seq: p for p in place(calls)}  # the whole session's graph, before the filter
+        calls = [c for c in calls if where.call(c)]
         if kind == "calls":
             for call in calls:
-                yield call_json(call)
+                yield call_json(call, placed[call.seq])
             continue
         report = build_sequences(calls, session, merge=merge, call_rewards=await store.call_rewards(session.id))
         by_seq = {c.seq: c for c in calls}
         for seq in report.sequences:
-            row = sequence_json(seq) if kind == "rl" else sft_json(seq, by_seq)
+            row = sequence_json(seq, placed[seq.spans[0].seq]) if kind == "rl" else sft_json(seq, by_seq)
             if row is not None:
                 yield row
 
@@ -152,9 +169,18 @@ async def rows(
 def _arrow_schema(kind: str) -> Any:
     import pyarrow as pa
 
+    graph_fields = [  # recorder/graph.py: where a row sits in its session
+        ("purpose", pa.string()),
+        ("edge", pa.string()),
+        ("parent_call", pa.int32()),
+        ("root_call", pa.int32()),
+        ("trained", pa.bool_()),
+    ]
+
     if kind == "rl":
         return pa.schema(
             [
+                *graph_fields,
                 ("session_id", pa.string()),
                 ("chain", pa.int32()),
                 ("run", pa.string()),
@@ -222,6 +248,7 @@ def _arrow_schema(kind: str) -> Any:
             ("logprobs", floats),
             ("finish_reason", text),
             ("completions", pa.list_(completion)),
+            *graph_fields,
         ]
     )
 

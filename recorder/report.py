@@ -53,6 +53,8 @@ class RunSummary:
     breaks: Counter[str]
     skipped: int
     mean_reward: float | None
+    edges: Counter[str]  # calls by how they joined their session (recorder/graph.py), and aux calls
+    delivered: tuple[int, int]  # sampled tokens reaching a training sequence, of those meant to (graph.delivery)
 
     def lines(self) -> list[str]:
         ratio = self.unmerged_tokens / self.merged_tokens if self.merged_tokens else 0.0
@@ -62,13 +64,22 @@ class RunSummary:
             f"training tokens: {self.merged_tokens} merged vs {self.unmerged_tokens} one per call ({ratio:.2f}x)",
             "mean reward: " + ("none posted" if self.mean_reward is None else f"{self.mean_reward:.3f}"),
         ]
+        out.append("calls by edge: " + ", ".join(f"{edge} {n}" for edge, n in self.edges.items()))
+        reached, sampled = self.delivered
+        fraction = f"{reached / sampled:.4f}" if sampled else "-"
+        out.append(f"delivered_fraction {fraction} ({reached} of {sampled} sampled tokens of trained calls)")
         out += [f"breaks: {reason}: {n}" for reason, n in self.breaks.most_common()]
         if self.empty_sessions:
             out.append("sessions without calls (harness not using the proxy?): " + ", ".join(self.empty_sessions[:20]))
         return out
 
 
-def summarise(reports: list[SessionReport], rewards: dict[str, float | None]) -> RunSummary:
+def summarise(
+    reports: list[SessionReport],
+    rewards: dict[str, float | None],
+    edges: Counter[str] | None = None,
+    delivered: tuple[int, int] = (0, 0),
+) -> RunSummary:
     given = [r for r in rewards.values() if r is not None]
     return RunSummary(
         sessions=len(reports),
@@ -80,4 +91,6 @@ def summarise(reports: list[SessionReport], rewards: dict[str, float | None]) ->
         breaks=Counter(b.reason for r in reports for b in r.breaks),
         skipped=sum(len(r.skipped) for r in reports),
         mean_reward=sum(given) / len(given) if given else None,
+        edges=edges or Counter(),
+        delivered=delivered,
     )

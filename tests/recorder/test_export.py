@@ -3,6 +3,7 @@ is loaded with `datasets` and trains one step with TRL's SFTTrainer on the defau
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -72,6 +73,13 @@ async def test_rl_parquet_round_trips(db: str, tmp_path: Path) -> None:
     assert (first["reward"], first["task_id"], first["group_id"], first["calls"]) == (1.0, "t0", "g", [1, 2])
     assert first["policy_versions"] == ["v3", "v3"] and first["span_starts"] == [3, 6]
     assert first["span_rewards"] == [None, 0.5]
+    # the session graph: the row's first call starts it; its second continues it (recorder/graph.py)
+    assert (first["edge"], first["root_call"], first["parent_call"], first["purpose"]) == ("new", 1, None, "train")
+    calls = tmp_path / "calls.jsonl"
+    async with Store(db) as store:
+        await export(store, calls, kind="calls")
+    graph = [(r["seq"], r["edge"], r["parent_call"], r["root_call"]) for r in map(json.loads, calls.open())]
+    assert graph[:2] == [(1, "new", None, 1), (2, "continue", 1, 1)]
 
 
 async def test_calls_parquet_has_one_schema_for_every_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

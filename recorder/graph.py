@@ -1,0 +1,198 @@
+"""A session as a graph: where each recorded call belongs, and why.
+
+A harness session is not one thread. Token-in joins a call to the one whose answer it continues
+(`continue`, or `fork` for a second call continuing the same answer); anything else starts a new
+sequence, and it is placed here by what links it to the calls before it, read from the records
+alone (so it works on any store, whatever proxy served the calls):
+
+- `retry`: the same conversation and tools as an earlier call and no new message (an SDK's
+  retry, sent again after a timeout): linked to that call. Only one of the two is trained: the
+  one a later call continued; if neither was continued, the retry (the harness sent it because
+  the original's answer never reached it).
+- `subagent`: a new conversation whose first user message is a string argument of a tool call
+  sampled earlier in the session (Claude Code's Task tool and its like): linked to that call.
+- `compaction`: a new conversation whose first messages carry an answer sampled earlier (the
+  summary), linked to the call that sampled it.
+- `new`: none of these, with the reason; "ambiguous" when more than one link fits (a graph
+  never joins wrongly).
+
+Each call also gets a purpose: `aux` for a call to another model than the session's policy
+model (the model most of its calls ask for: a harness's small fast model writing titles or
+checking topics), else `train`. `aux` calls are placed and exported, never trained by default.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from recorder.records import CallRecord
+from recorder.trajectories import build_sequences
+
+Edge = Literal["continue", "fork", "retry", "subagent", "compaction", "new"]
+Purpose = Literal["train", "aux"]
+EDGES: tuple[Edge, ...] = ("continue", "fork", "retry", "subagent", "compaction", "new")
+MIN_LINK_TEXT = 24  # characters a text must have to link two calls (short ones match by chance)
+
+
+@dataclass(frozen=True)
+class Placement:
+    seq: int
+    root: int  # the first call of the sequence this call belongs to
+    parent: int | None  # the call it continues, re-sends, serves or starts from
+    edge: Edge
+    reason: str | None  # why a `new` call is new
+    purpose: Purpose
+    trained: bool  # train purpose, and not the untrained one of a retry pair
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content.strip()
+    if isinstance(content, list):
+        return "\n".join(t for t in (_text(p.get("text") if isinstance(p, dict) else p) for p in content) if t)
+    return ""
+
+
+def conversation(request: dict[str, Any]) -> list[tuple[str, str]]:
+    """(role, text) of a request's messages in any of the APIs: Chat and Messages `messages`
+    (with Messages' top-level `system`), Responses `instructions` and `input`."""
+    found = [("system", _text(request.get("system")))] if request.get("system") else []
+    if request.get("instructions"):
+        found.append(("system", _text(request["instructions"])))
+    items = request.get("messages") or request.get("input") or []
+    if isinstance(items, str):
+        return [*found, ("user", items.strip())]
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and item.get("role"):
+            found.append((str(item["role"]), _text(item.get("content"))))
+    return found
+
+
+def _answers(call: CallRecord) -> list[dict[str, Any]]:
+    return [a.get("message") or {} for a in (call.thread or {}).get("answers") or [] if isinstance(a, dict)]
+
+
+def _string_arguments(call: CallRecord) -> set[str]:
+    """The string values of the arguments of the tool calls this call sampled."""
+    found: set[str] = set()
+    for message in _answers(call):
+        for tool_call in message.get("tool_calls") or []:
+            arguments = (tool_call.get("function") or {}).get("arguments")
+            try:
+                parsed = orjson.loads(arguments) if isinstance(arguments, str) else arguments
+            except orjson.JSONDecodeError:
+                continue
+            values = parsed.values() if isinstance(parsed, dict) else []
+            found |= {v.strip() for v in values if isinstance(v, str) and len(v.strip()) >= MIN_LINK_TEXT}
+    return found
+
+
+def _sampled_texts(call: CallRecord) -> list[str]:
+    return [t for t in (_text(m.get("content")) for m in _answers(call)) if len(t) >= MIN_LINK_TEXT]
+
+
+def policy_model(calls: list[CallRecord]) -> str | None:
+    """The model most of the session's calls ask for (the earliest of those tied)."""
+    counts = Counter(c.model for c in calls)
+    return max(counts, key=lambda m: (counts[m], -next(i for i, c in enumerate(calls) if c.model == m)), default=None)
+
+
+def place(calls: list[CallRecord]) -> list[Placement]:
+    """Every call of one session placed, in call order."""
+    ordered = sorted(calls, key=lambda c: c.seq)
+    policy = policy_model(ordered)
+    digests = {c.seq: (c.thread or {}).get("messages") for c in ordered}
+    placed: dict[int, Placement] = {}
+    for i, call in enumerate(ordered):
+        earlier = ordered[:i]
+        purpose: Purpose = "train" if call.model == policy else "aux"
+        edge, parent, reason = _link(call, earlier, digests)
+        root = placed[parent].root if edge == "continue" and parent in placed else call.seq
+        placed[call.seq] = Placement(call.seq, root, parent, edge, reason, purpose, purpose == "train")
+    return _resolve_retries(list(placed.values()))
+
+
+def _link(
+    call: CallRecord, earlier: list[CallRecord], digests: dict[int, list[str] | None]
+) -> tuple[Edge, int | None, str | None]:
+    mine = digests[call.seq]
+    tools = (call.thread or {}).get("tools")
+    # First: a re-send continues whatever the original continued, so token-in joins it as a fork.
+    same = [c for c in earlier if mine and digests[c.seq] == mine and (c.thread or {}).get("tools") == tools]
+    if same:
+        return "retry", same[-1].seq, None
+    continued = (call.thread or {}).get("continues") or {}
+    by_id = {c.call_id: c.seq for c in earlier}
+    if call.token_in and continued.get("call") in by_id:  # what the proxy planned it on
+        fork = (call.thread_start or "").startswith("a fork")
+        return ("fork" if fork else "continue"), by_id[continued["call"]], None
+    if call.token_in and mine:  # recorded before the proxy said (schema 9's first records)
+        # the longest earlier conversation this one extends by the answer and more
+        parents = [c for c in earlier if digests[c.seq] and mine[: len(digests[c.seq] or [])] == digests[c.seq]]
+        parents = [c for c in parents if len(digests[c.seq] or []) < len(mine)]
+        if parents:
+            parent = max(parents, key=lambda c: (len(digests[c.seq] or []), c.seq))
+            fork = (call.thread_start or "").startswith("a fork")
+            return ("fork" if fork else "continue"), parent.seq, None
+    extended = [c for c in earlier if c.completions and _extends(call, c)]
+    if extended:  # a prompt that is an earlier call's tokens and more: one sequence, as trajectories merge it
+        return "continue", max(extended, key=lambda c: (len(c.prompt_token_ids), c.seq)).seq, None
+    links: list[tuple[Edge, int]] = []
+    said = conversation(call.request)
+    first_user = next((text for role, text in said if role == "user"), "")
+    carried = [text for role, text in said[:3] if role != "assistant"]
+    for before in reversed(earlier):
+        if first_user and first_user in _string_arguments(before):
+            links.append(("subagent", before.seq))
+            break
+    for before in reversed(earlier):
+        if any(sampled in text for sampled in _sampled_texts(before) for text in carried):
+            links.append(("compaction", before.seq))
+            break
+    if len(links) == 1:
+        return links[0][0], links[0][1], None
+    if links:
+        return "new", None, "ambiguous: " + " or ".join(f"{edge} of call {seq}" for edge, seq in links)
+    return "new", None, call.thread_start or ("no link to an earlier call" if earlier else "first call of the session")
+
+
+def _extends(call: CallRecord, before: CallRecord) -> bool:
+    ids = [*before.prompt_token_ids, *before.completions[0].token_ids]
+    longer = len(call.prompt_token_ids) > len(ids)
+    return bool(before.prompt_token_ids) and longer and call.prompt_token_ids[: len(ids)] == ids
+
+
+def _resolve_retries(placements: list[Placement]) -> list[Placement]:
+    """Of a call and its retry, keep training the one a later call continued (or forked); if
+    neither was, the retry."""
+    continued = {p.parent for p in placements if p.edge in ("continue", "fork")}
+    by_seq = {p.seq: p for p in placements}
+    for p in placements:
+        if p.edge != "retry" or p.parent is None:
+            continue
+        original = by_seq[p.parent]
+        keep_original = original.seq in continued and p.seq not in continued
+        drop = p if keep_original else original
+        by_seq[drop.seq] = Placement(
+            drop.seq, drop.root, drop.parent, drop.edge, drop.reason, drop.purpose, trained=False
+        )
+    return [by_seq[p.seq] for p in placements]
+
+
+def edge_counts(placements: list[Placement]) -> dict[str, int]:
+    counts = Counter(p.edge for p in placements)
+    return {edge: counts.get(edge, 0) for edge in EDGES} | {"aux": sum(p.purpose == "aux" for p in placements)}
+
+
+def delivery(calls: list[CallRecord], placements: list[Placement]) -> tuple[int, int]:
+    """(sampled tokens that reach a training sequence, sampled tokens of the calls placed to be
+    trained): what the capture lost of what should be trained (failed or skipped calls, ids
+    missing). Aux calls and the untrained one of a retry pair are in neither."""
+    trained = {p.seq for p in placements if p.trained}
+    kept = [c for c in calls if c.seq in trained]
+    sampled = sum(len(choice.token_ids) for c in kept for choice in c.completions)
+    return sum(s.sampled_tokens for s in build_sequences(kept).sequences), sampled

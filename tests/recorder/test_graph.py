@@ -1,0 +1,116 @@
+"""The session graph (recorder/graph.py) on hand-built records of a Claude Code-like session: a
+subagent started by a tool call, a side call to a small model, a retry whose re-send the
+harness went on with, a compaction summary, and a conversation with no link."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from benchmarks.support.samples import call
+from recorder import CallRecord
+from recorder.graph import delivery, edge_counts, place
+
+PROMPT = "Search the repository for the failing test and report its name."
+SUMMARY = "So far: the failing test is test_parse, broken by the new date format."
+
+
+def node(
+    seq: int,
+    digests: list[str],
+    ask: str = "x",
+    answer: str = "",
+    task: str | None = None,
+    continues: int | None = None,
+    model: str = "policy",
+    why: str | None = None,
+) -> CallRecord:
+    message: dict[str, Any] = {"role": "assistant", "content": answer}
+    if task is not None:
+        arguments = orjson.dumps({"description": "find it", "prompt": task}).decode()
+        message["tool_calls"] = [{"id": "t1", "type": "function", "function": {"name": "Task", "arguments": arguments}}]
+    thread: dict[str, Any] = {"messages": digests, "tools": "t0", "answers": [{"message": message}]}
+    if continues is not None:
+        thread["continues"] = {"call": f"c{continues}", "choice": 0}
+    return replace(
+        call("s", seq, [seq]),
+        call_id=f"c{seq}",
+        model=model,
+        token_in=continues is not None,
+        thread=thread,
+        thread_start=why,
+        request={"messages": [{"role": "user", "content": ask}]},
+    )
+
+
+def test_a_session_with_a_subagent_a_side_call_a_retry_and_a_compaction() -> None:
+    calls = [
+        node(1, ["a"], "Fix the failing test.", task=PROMPT, why="first call of the session seen by this proxy"),
+        node(2, ["z"], "Write a title for: Fix the failing test.", answer="Fixing a test", model="small-fast"),
+        node(3, ["p"], PROMPT, answer="It is test_parse."),
+        node(4, ["p", "a3", "t3"], continues=3),
+        node(5, ["a", "a1", "r1"], continues=1),
+        node(6, ["a", "a1", "r1"], continues=1, why="a fork: call 5 continued this answer first"),  # the SDK re-sent it
+        node(7, ["a", "a1", "r1", "a6", "u"], answer=SUMMARY, continues=6),
+        node(8, ["s"], f"This session continues from an earlier one. {SUMMARY}"),
+        node(9, ["q"], "Something else entirely.", why="the conversation is not a continuation of an earlier call's"),
+    ]
+    placed = {p.seq: p for p in place(calls)}
+    got = {seq: (p.edge, p.parent, p.root) for seq, p in placed.items()}
+    assert got == {
+        1: ("new", None, 1),
+        2: ("new", None, 2),
+        3: ("subagent", 1, 3),
+        4: ("continue", 3, 3),
+        5: ("continue", 1, 1),
+        6: ("retry", 5, 6),
+        7: ("continue", 6, 6),
+        8: ("compaction", 7, 8),
+        9: ("new", None, 9),
+    }
+    assert placed[9].reason == "the conversation is not a continuation of an earlier call's"
+    assert [p.seq for p in placed.values() if p.purpose == "aux"] == [2]
+    # The harness went on with the re-send (call 7 continued it): the original is not trained.
+    assert [p.seq for p in placed.values() if not p.trained] == [2, 5]
+    assert edge_counts(list(placed.values())) == {
+        "continue": 3,
+        "fork": 0,
+        "retry": 1,
+        "subagent": 1,
+        "compaction": 1,
+        "new": 3,
+        "aux": 1,
+    }
+
+
+def test_a_retry_nobody_continued_trains_the_re_send_and_one_continued_keeps_the_original() -> None:
+    first = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), node(3, ["a", "b", "c"], continues=1)]
+    assert [p.trained for p in place(first)] == [True, False, True]
+    went_on = [*first, node(4, ["a", "b", "c", "d", "e"], continues=2)]
+    assert [p.trained for p in place(went_on)] == [True, True, False, True]
+
+
+def test_two_links_that_both_fit_join_nothing_and_say_so() -> None:
+    """A first message that is both a tool call's argument and an earlier answer's text."""
+    calls = [node(1, ["a"], task=SUMMARY), node(2, ["b"], answer=SUMMARY), node(3, ["c"], SUMMARY)]
+    third = place(calls)[2]
+    assert (third.edge, third.parent) == ("new", None)
+    assert third.reason == "ambiguous: subagent of call 1 or compaction of call 2"
+
+
+def test_short_texts_link_nothing() -> None:
+    """A two-word answer found again in a later message is chance, not a summary."""
+    calls = [node(1, ["a"], answer="Done."), node(2, ["b"], "Done. Next task?"), node(3, ["c"], task="go")]
+    assert [p.edge for p in place(calls)] == ["new", "new", "new"]
+
+
+def test_delivery_is_what_the_trained_calls_sampled_that_reaches_a_sequence() -> None:
+    """A failed call's tokens are lost to training; an aux call's and a superseded retry's are
+    not meant for it."""
+    failed = replace(node(3, ["x"]), ok=False, http_status=502, error="upstream died")
+    calls = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), failed, node(4, ["z"], model="small-fast")]
+    assert delivery(calls, place(calls)) == (2, 3)
+    retried = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), node(3, ["a", "b", "c"], continues=1)]
+    assert delivery(retried, place(retried)) == (2, 2)
