@@ -16,10 +16,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recorder import SessionInfo, Store
-from recorder.graph import delivery, edge_counts, place
+from recorder.graph import delivery, edge_counts
 from recorder.paths import default_db, default_model_dir
 from recorder.report import session_lines, summarise
 from recorder.trajectories import build_sequences
+from recorder.validation import check
 
 app = typer.Typer(help="Inspect and export recorded sessions.")
 sessions_app = typer.Typer(help="Inspect recorded sessions.")
@@ -136,17 +137,18 @@ def report(db: DbOption = None, run: Annotated[str | None, typer.Option(help="on
 
     async def work(store: Store) -> Any:
         sessions = await store.list_sessions(run=run)
-        reports, edges, reached, sampled = [], Counter[str](), 0, 0
+        reports, edges, grades, reached, sampled = [], Counter[str](), Counter[str](), 0, 0
         for s in sessions:
             calls = [c async for c in store.iter_calls(s.id)]
             reports.append(build_sequences(calls, s))
-            placements = place(calls)
-            edges.update(edge_counts(placements))
-            got, meant = delivery(calls, placements)
+            checked = check(calls, s)
+            edges.update(edge_counts(checked.placements))
+            got, meant = delivery(calls, checked.placements)
             reached, sampled = reached + got, sampled + meant
-        return summarise(reports, {s.id: s.reward for s in sessions}, edges, (reached, sampled))
+            grades[checked.grade.level] += 1
+        return summarise(reports, {s.id: s.reward for s in sessions}, edges, (reached, sampled), grades)
 
-    console.print("\n".join(_with_store(db, work).lines()), markup=False, highlight=False)
+    console.print("\n".join(_with_store(db, work).lines()), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

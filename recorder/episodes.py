@@ -31,7 +31,7 @@ HarnessStatus = Literal["ok", "failed", "timeout"]
 # or timed out: scored the run's failure_reward), "infra" (the proxy or vLLM failed a call),
 # "unscored" (no reward), "foreign" (no runner ended it: a session that joined the group by its
 # key), and the trainer's "sampling", "empty" and "stale".
-Why = Literal["", "failed", "infra", "unscored", "foreign", "sampling", "empty", "stale"]
+Why = Literal["", "failed", "infra", "unscored", "foreign", "sampling", "empty", "stale", "capture"]
 
 
 class Record(BaseModel):

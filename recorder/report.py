@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from recorder.trajectories import Break, SessionReport
+from recorder.validation import LEVELS
 
 Decode = Callable[[list[int]], str]
 
@@ -55,6 +56,7 @@ class RunSummary:
     mean_reward: float | None
     edges: Counter[str]  # calls by how they joined their session (recorder/graph.py), and aux calls
     delivered: tuple[int, int]  # sampled tokens reaching a training sequence, of those meant to (graph.delivery)
+    grades: Counter[str]  # episodes by capture grade (recorder/validation.py)
 
     def lines(self) -> list[str]:
         ratio = self.unmerged_tokens / self.merged_tokens if self.merged_tokens else 0.0
@@ -68,6 +70,7 @@ class RunSummary:
         reached, sampled = self.delivered
         fraction = f"{reached / sampled:.4f}" if sampled else "-"
         out.append(f"delivered_fraction {fraction} ({reached} of {sampled} sampled tokens of trained calls)")
+        out.append("capture grades: " + ", ".join(f"{level} {self.grades.get(level, 0)}" for level in LEVELS))
         out += [f"breaks: {reason}: {n}" for reason, n in self.breaks.most_common()]
         if self.empty_sessions:
             out.append("sessions without calls (harness not using the proxy?): " + ", ".join(self.empty_sessions[:20]))
@@ -79,6 +82,7 @@ def summarise(
     rewards: dict[str, float | None],
     edges: Counter[str] | None = None,
     delivered: tuple[int, int] = (0, 0),
+    grades: Counter[str] | None = None,
 ) -> RunSummary:
     given = [r for r in rewards.values() if r is not None]
     return RunSummary(
@@ -93,4 +97,5 @@ def summarise(
         mean_reward=sum(given) / len(given) if given else None,
         edges=edges or Counter(),
         delivered=delivered,
+        grades=grades or Counter(),
     )

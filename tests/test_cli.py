@@ -136,6 +136,9 @@ def test_report_summarises_a_run(db: str) -> None:
     assert "sessions 2 (1 without calls), calls 2, sequences 2" in result.output
     assert "breaks: prefix diverges: 1" in result.output
     assert "mean reward: 1.000" in result.output and "ep-empty" in result.output
+    assert "calls by edge: continue 0, fork 0, retry 0, subagent 0, compaction 0, new 2, aux 0" in result.output
+    assert "delivered_fraction 1.0000" in result.output
+    assert "capture grades: FATAL 1, WARN 0, INFO 1, OK 0" in result.output  # no call; a sequence started anew
 
 
 def test_export_rl_parquet(db: str, tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from proxy.threads import echoes, norm
 from recorder.episodes import EpisodeReward, RewardRule, Why, group_advantages
 from recorder.records import CallRecord, SessionInfo
 from recorder.store import Store
-from recorder.trajectories import TrainingSequence, build_sequences
+from recorder.trajectories import TrainingSequence
+from recorder.validation import check
 from trainer.config import TrainConfig, TrainSection
 from trainer.grpo import Sample
 
@@ -64,7 +65,7 @@ RESHAPING = (
 )
 
 # Reasons an episode has no reward at all, as against one the trainer dropped after scoring it.
-DROPPED_BEFORE_SCORING = ("infra", "unscored", "foreign", "sampling")
+DROPPED_BEFORE_SCORING = ("infra", "unscored", "foreign", "sampling", "capture")
 
 log = logging.getLogger("rl_proxy.trainer")
 
@@ -87,6 +88,7 @@ class LoopState:
     failures_scored: int = 0  # harness crashes and timeouts, scored failure_reward
     dropped_infra: int = 0  # episodes the proxy or vLLM failed
     refused_sampling: int = 0  # episodes sampled with settings the trainer does not score at
+    capture_fatal: int = 0  # episodes whose records cannot be trusted (recorder/validation.py: FATAL)
     samples: int = 0
     tokens: int = 0
     version_steps: dict[str, int] = field(default_factory=dict)  # policy version: the step that made it
@@ -251,9 +253,14 @@ class GroupReader:
                     self.refused = refused
                     reward, why = None, "sampling"
                 else:
-                    built = build_sequences(calls, s).sequences
-                    sequences = continued([q for q in built if q.sampled_tokens], calls)
-                    reward, why, lag = self.fresh(reward, why, sequences)
+                    # aux calls (another model: titles, side checks) and a superseded retry are left out
+                    checked = check(calls, s)
+                    if checked.grade.level == "FATAL":
+                        log.warning("episode %s left out of training: %s", s.id, checked.grade.problems[0])
+                        reward, why = None, "capture"
+                    else:
+                        sequences = continued([q for q in checked.sequences if q.sampled_tokens], calls)
+                        reward, why, lag = self.fresh(reward, why, sequences)
             elif why == "foreign":
                 log.warning("group %s: session %r joined it by its key, not from the runner: left out", group, s.id)
             self.count(why)
@@ -294,6 +301,7 @@ class GroupReader:
             "foreign": "foreign",
             "sampling": "refused_sampling",
             "stale": "dropped_stale",
+            "capture": "capture_fatal",
         }.get(why)
         if counter is not None:
             setattr(self.state, counter, getattr(self.state, counter) + 1)

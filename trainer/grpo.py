@@ -25,8 +25,9 @@ import contextlib
 import itertools
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,6 +52,9 @@ class Sample:
     def split(self) -> int:
         """Where the completion starts: the first sampled token."""
         return self.sequence.loss_mask.index(1)
+
+
+ROW_MEANS = ("grpo", "sapo")  # loss types that average each row's token mean (the others sum or average tokens)
 
 
 class Learner:
@@ -306,6 +310,13 @@ class Learner:
         cispo, vespo) already divide by the whole batch's count (over the ranks)."""
         # Rows of one prompt together and of like lengths together: a micro-batch is mostly one
         # group, run from its shared prompt, with little padding after it.
+        # Each episode counts once whatever its number of sequences (subagents, compactions, forks):
+        # where each row's tokens are averaged, an episode's rows share its weight; where rows are
+        # averaged (grpo, sapo, dr_grpo, luspo), the mean is over episodes. Token sums and means
+        # count each sampled token once already, however an episode is cut into rows.
+        episodes = Counter(s.sequence.session_id for s in samples)
+        if self.args.loss_type in ROW_MEANS:
+            samples = [replace(s, advantage=s.advantage / episodes[s.sequence.session_id]) for s in samples]
         ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
         # Parts of even sizes, as many on every rank; with several ranks each part is topped up to
         # the same number of rows with fillers (TRL gathers a value per row across the ranks).
@@ -323,8 +334,8 @@ class Learner:
                 weight = 1.0
             elif self.args.loss_type == "bnpo":  # a mean over the part's tokens
                 weight = count * float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
-            else:  # a mean over the part's rows (fillers add 0 to it)
-                weight = count * len(part) / len(samples)
+            else:  # a mean over the part's rows (fillers add 0 to it), made a mean over episodes
+                weight = count * len(part) / len(episodes)
             yield self.loss(batch, count // self.world) * weight
 
     def step(self, samples: list[Sample]) -> dict[str, float]:

@@ -333,6 +333,7 @@ class TrainLoop:
             "failures_scored": self.state.failures_scored,
             "dropped_infra": self.state.dropped_infra,
             "refused_sampling": self.state.refused_sampling,
+            "capture_fatal": self.state.capture_fatal,
             "wait_s": waited,
             "train_s": trained,
             "swap_pause_s": paused,

@@ -87,7 +87,8 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
             f"staleness {row['staleness_mean']:.1f} logprob gap {row.get('logprob_gap', 0.0):.3f} "
             f"{row['sequence_tokens_per_s']:.0f} tok/s "
             f"skipped {row['skipped_equal']} stale {row['dropped_stale']} failed {row['failures_scored']} "
-            f"infra {row['dropped_infra']} off-sampling {row['refused_sampling']}"
+            f"infra {row['dropped_infra']} off-sampling {row['refused_sampling']} "
+            f"capture {row.get('capture_fatal', 0)}"
         )
         bar.update(job, completed=row["step"], line=line)
         bar.console.print(

@@ -10,8 +10,9 @@ from typing import Any
 import orjson
 
 from benchmarks.support.samples import call
-from recorder import CallRecord
+from recorder import CallRecord, Completion
 from recorder.graph import delivery, edge_counts, place
+from recorder.validation import Grade, check
 
 PROMPT = "Search the repository for the failing test and report its name."
 SUMMARY = "So far: the failing test is test_parse, broken by the new date format."
@@ -114,3 +115,19 @@ def test_delivery_is_what_the_trained_calls_sampled_that_reaches_a_sequence() ->
     assert delivery(calls, place(calls)) == (2, 3)
     retried = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), node(3, ["a", "b", "c"], continues=1)]
     assert delivery(retried, place(retried)) == (2, 2)
+
+
+def test_capture_grades() -> None:
+    """FATAL for records that cannot be trained on as they are, WARN for tokens lost or spent
+    aside, INFO for sequences started with their reasons."""
+    clean = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1)]
+    assert check(clean).grade == Grade("OK")
+    assert check(clean, min_calls=3).grade.level == "FATAL"  # a harness expected to loop stopped at 2
+    bare = replace(node(2, ["a", "b", "c"], continues=1), completions=[Completion(0, [], [], "stop")])
+    assert check([clean[0], bare]).grade.problems == ["call 2 was answered without its token ids or logprobs"]
+    assert check([]).grade.level == "FATAL"
+    big_aux = replace(node(3, ["z"], model="small-fast"), completions=[Completion(0, [5] * 9, [-0.1] * 9, "stop")])
+    warned = check([*clean, node(4, ["a", "b", "c", "d", "e"], continues=2), big_aux])
+    assert (warned.grade.level, warned.grade.problems) == ("WARN", ["aux calls sampled 9 tokens, the trained calls 3"])
+    edited = check([*clean, node(3, ["q"], "Start again.", why="an earlier message was edited")])
+    assert edited.grade == Grade("INFO", ["call 3 starts a sequence: an earlier message was edited"])

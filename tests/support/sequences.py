@@ -3,6 +3,7 @@ tests/trainer/test_grpo_loss.py, several in test_distributed.py through distribu
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import replace
 
@@ -12,8 +13,14 @@ from trainer.grpo import Sample
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-def sequence(rng: random.Random, turns: list[tuple[int, int]], truncated: bool = False) -> TrainingSequence:
-    """A multi-turn sequence: (context tokens, sampled tokens) per turn."""
+EPISODES = itertools.count()
+
+
+def sequence(
+    rng: random.Random, turns: list[tuple[int, int]], truncated: bool = False, session: str | None = None
+) -> TrainingSequence:
+    """A multi-turn sequence: (context tokens, sampled tokens) per turn; an episode of its own
+    unless `session` names one."""
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -28,7 +35,7 @@ def sequence(rng: random.Random, turns: list[tuple[int, int]], truncated: bool =
         # A random model's logprobs are about -ln(vocabulary) = -10.8: near it, so that some
         # ratios are clipped and some not, and some sequences pass the importance caps.
         logprobs += [-10.8 + rng.uniform(-0.4, 0.4) for _ in range(sampled)]
-    return TrainingSequence("s", 0, ids, mask, logprobs, spans, truncated)
+    return TrainingSequence(session or f"episode-{next(EPISODES)}", 0, ids, mask, logprobs, spans, truncated)
 
 
 def groups() -> list[Sample]:

@@ -10,6 +10,7 @@ with SmolLM2's tokenizer keeps it fast.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -402,3 +403,36 @@ def test_the_shared_prompt_path_stands_aside_where_it_would_be_wrong(tiny_model:
         )
     )
     assert not prompt_cache_fits(windowed, plain.trl.accelerator)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_an_episode_cut_into_three_sequences_weighs_what_it_weighs_as_one(
+    tiny_model: Path, tmp_path: Path, loss_type: str
+) -> None:
+    """An episode whose calls became 3 sequences (a subagent, a compaction, a fork) counts once,
+    as the same calls merged into 1 sequence do, beside an episode of 1 sequence: each of its
+    sampled tokens sees the same context either way, so the step's loss and gradients are the
+    same. Under grpo and sapo its 3 rows used to weigh 3 episodes. (luspo and vespo weigh a
+    sequence as a whole, so a cut changes what they compute, not only its weight.)"""
+    grpo = {**_config(loss_type, "token", None), "max_completion_length": 64}
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=2)
+    learner.model.train()
+    rng = random.Random(11)
+    whole = sequence(rng, [(10, 4), (5, 4), (6, 4)], session="cut")
+    cuts = []
+    for k, span in enumerate(whole.spans):
+        mask = [int(span.start <= i < span.end) for i in range(span.end)]
+        logprobs = [lp if m else 0.0 for lp, m in zip(whole.logprobs, mask, strict=False)]
+        cuts.append(replace(whole, chain=k, input_ids=whole.input_ids[: span.end], loss_mask=mask, logprobs=logprobs))
+    other = Sample(sequence(rng, [(8, 6)], session="other"), -0.8)
+
+    def loss_and_grads(samples: list[Sample]) -> tuple[Any, list[Any]]:
+        loss = sum(learner.part_losses(samples))
+        grads = torch.autograd.grad(loss, [p for p in learner.model.parameters() if p.requires_grad])
+        return loss.detach(), list(grads)
+
+    one, one_grads = loss_and_grads([Sample(whole, 1.1), other])
+    three, three_grads = loss_and_grads([*(Sample(c, 1.1) for c in cuts), other])
+    torch.testing.assert_close(three, one, rtol=1e-4, atol=1e-6)
+    for a, b in zip(three_grads, one_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)

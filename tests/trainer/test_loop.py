@@ -500,3 +500,44 @@ def test_a_session_that_joined_a_group_by_its_key_is_left_out_and_counted(tmp_pa
     leftovers, prepared, state = asyncio.run(main())
     assert leftovers == ["g"] and prepared is not None and prepared[1] == [0.0, 1.0, 0.0, 1.0]
     assert state.foreign == 1
+
+
+def test_aux_calls_are_not_trained_and_a_fatal_capture_leaves_its_episode_out(tmp_path: Path) -> None:
+    """An aux call (another model: a title) adds no sequence; an episode with an answered call
+    that holds no logprobs is graded FATAL (recorder/validation.py): skipped and counted."""
+
+    def extra(session: str, model: str, logprobs: list[float]) -> CallRecord:
+        return CallRecord(
+            session_id=session,
+            seq=3,
+            api="chat.completions",
+            model=model,
+            upstream="u",
+            stream=False,
+            request={"messages": [{"role": "user", "content": "Title this."}]},
+            response={"id": "x"},
+            ok=True,
+            http_status=200,
+            error=None,
+            prompt_token_ids=[90, 91],
+            completions=[Completion(0, [50, 51], logprobs, "stop")],
+            policy_version="1",
+            policy_version_end="1",
+            started_at=T0,
+            finished_at=T0,
+        )
+
+    async def main() -> tuple[Any, LoopState]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            for n, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
+                await _episode(store, "g", n, "1", reward)
+            await store.record(extra("g-0", "small-fast", [-0.1, -0.2]))  # aux: left out
+            await store.record(extra("g-1", "m", []))  # no logprobs: FATAL
+            loop = _loop(tmp_path, store, LoopState(step=1, version=1))
+            return await loop.prepare("g"), loop.state
+
+    prepared, state = asyncio.run(main())
+    assert prepared is not None
+    samples, rewards, _ = prepared
+    assert rewards == [1.0, 1.0, 0.0] and state.capture_fatal == 1
+    assert len(samples) == 3 and all(50 not in s.sequence.input_ids for s in samples)

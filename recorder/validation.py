@@ -1,0 +1,93 @@
+"""Capture validation: how far an episode's records can be trusted for training, graded.
+
+- FATAL (the trainer skips the episode and counts it): no call; a call meant for training that
+  was answered but holds no token ids or logprobs; a training sequence whose trained ids are
+  not the ids its calls sampled; one call only where the harness was expected to loop
+  (`min_calls`).
+- WARN: under 90% of the sampled tokens of trained calls reach a training sequence; a retry
+  whose pair neither a later call continued (the re-send is trained, a guess); aux calls that
+  sampled more tokens than the trained ones.
+- INFO: everything else worth a line (calls placed `new` with their reasons).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from recorder.graph import Placement, delivery, place
+from recorder.records import CallRecord, SessionInfo
+from recorder.trajectories import TrainingSequence, build_sequences
+
+Level = Literal["FATAL", "WARN", "INFO", "OK"]
+LEVELS: tuple[Level, ...] = ("FATAL", "WARN", "INFO", "OK")
+MIN_DELIVERED = 0.9
+
+
+@dataclass(frozen=True)
+class Grade:
+    level: Level
+    problems: list[str] = field(default_factory=list)  # the worst level's first, as sentences
+
+
+def grade(
+    calls: list[CallRecord], placements: list[Placement], sequences: list[TrainingSequence], min_calls: int = 1
+) -> Grade:
+    """The grade of one episode: its calls, their places (graph.place) and the sequences built
+    from its trained calls."""
+    found: dict[Level, list[str]] = {"FATAL": [], "WARN": [], "INFO": []}
+    if not calls:
+        return Grade("FATAL", ["no call reached the proxy"])
+    placed = {p.seq: p for p in placements}
+    for call in calls:
+        if not placed[call.seq].trained or not call.answered:
+            continue
+        bare = not call.prompt_token_ids or any(not c.token_ids for c in call.completions)
+        unmatched = any(len(c.logprobs) != len(c.token_ids) for c in call.completions)
+        if bare or unmatched:
+            found["FATAL"].append(f"call {call.seq} was answered without its token ids or logprobs")
+    by_seq = {c.seq: c for c in calls}
+    for sequence in sequences:
+        for span in sequence.spans:
+            window = zip(
+                sequence.input_ids[span.start : span.end], sequence.loss_mask[span.start : span.end], strict=True
+            )
+            if [t for t, m in window if m] != by_seq[span.seq].completions[span.choice].token_ids:
+                found["FATAL"].append(f"sequence {sequence.chain} trains other ids than call {span.seq} sampled")
+    if len(calls) < min_calls:
+        found["FATAL"].append(f"{len(calls)} call(s), and the harness was expected to make at least {min_calls}")
+    reached, meant = delivery(calls, placements)
+    if meant and reached / meant < MIN_DELIVERED:
+        found["WARN"].append(f"only {reached} of {meant} sampled tokens of trained calls reach a training sequence")
+    aux = sum(len(c.token_ids) for call in calls if placed[call.seq].purpose == "aux" for c in call.completions)
+    if aux > meant:
+        found["WARN"].append(f"aux calls sampled {aux} tokens, the trained calls {meant}")
+    continued = {p.parent for p in placements if p.edge in ("continue", "fork")}
+    found["WARN"] += [
+        f"call {p.seq} re-sent call {p.parent} and no later call continued either: the re-send is trained"
+        for p in placements
+        if p.edge == "retry" and not {p.seq, p.parent} & continued
+    ]
+    found["INFO"] += [
+        f"call {p.seq} starts a sequence: {p.reason}"
+        for p in placements[1:]
+        if p.edge == "new" and p.purpose == "train"
+    ]
+    level: Level = next((lv for lv in LEVELS if found.get(lv)), "OK")
+    return Grade(level, [line for lines in found.values() for line in lines])
+
+
+@dataclass(frozen=True)
+class Checked:
+    """An episode placed (graph.place), the sequences of its trained calls, and its grade."""
+
+    placements: list[Placement]
+    sequences: list[TrainingSequence]
+    grade: Grade
+
+
+def check(calls: list[CallRecord], session: SessionInfo | None = None, min_calls: int = 1) -> Checked:
+    placements = place(calls)
+    trained = {p.seq for p in placements if p.trained}
+    sequences = build_sequences([c for c in calls if c.seq in trained], session).sequences
+    return Checked(placements, sequences, grade(calls, placements, sequences, min_calls))
