@@ -5,10 +5,10 @@ A harness session is not one thread. Token-in joins a call to the one whose answ
 sequence, and it is placed here by what links it to the calls before it, read from the records
 alone (so it works on any store, whatever proxy served the calls):
 
-- `retry`: the same conversation and tools as an earlier call and no new message (an SDK's
-  retry, sent again after a timeout): linked to that call. Only one of the two is trained: the
-  one a later call continued; if neither was continued, the retry (the harness sent it because
-  the original's answer never reached it).
+- `retry`: the same request as an earlier call (the same conversation, tools and settings, no
+  new message: an SDK's retry, sent again after a timeout, answered or not): linked to it.
+  Only one of the two is trained: the one a later call continued; if neither was continued,
+  the retry (the harness sent it because the original's answer never reached it).
 - `subagent`: a new conversation whose first user message is a string argument of a tool call
   sampled earlier in the session (Claude Code's Task tool and its like): linked to that call.
 - `compaction`: a new conversation whose first messages carry an answer sampled earlier (the
@@ -120,9 +120,8 @@ def _link(
     call: CallRecord, earlier: list[CallRecord], digests: dict[int, list[str] | None]
 ) -> tuple[Edge, int | None, str | None]:
     mine = digests[call.seq]
-    tools = (call.thread or {}).get("tools")
     # First: a re-send continues whatever the original continued, so token-in joins it as a fork.
-    same = [c for c in earlier if mine and digests[c.seq] == mine and (c.thread or {}).get("tools") == tools]
+    same = [c for c in earlier if _asked(c) == _asked(call)]
     if same:
         return "retry", same[-1].seq, None
     continued = (call.thread or {}).get("continues") or {}
@@ -158,6 +157,16 @@ def _link(
     if links:
         return "new", None, "ambiguous: " + " or ".join(f"{edge} of call {seq}" for edge, seq in links)
     return "new", None, call.thread_start or ("no link to an earlier call" if earlier else "first call of the session")
+
+
+TRANSPORT = ("stream", "stream_options", "metadata", "user", "store")  # how a call is sent, not what it asks
+
+
+def _asked(call: CallRecord) -> bytes:
+    """What a call asks, as its client sent it: equal for a re-send of the same request (the
+    SDKs' retries send the same body again), whether or not the first was answered."""
+    asked = {k: v for k, v in call.request.items() if k not in TRANSPORT}
+    return orjson.dumps(asked, option=orjson.OPT_SORT_KEYS)
 
 
 def _extends(call: CallRecord, before: CallRecord) -> bool:

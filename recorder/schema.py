@@ -116,12 +116,17 @@ class _Packed(TypeDecorator[list[Any]]):
         return None if value is None else unpack(value, self.typecode)
 
 
+# cache_ok on each class: SQLAlchemy reads it from the class's own __dict__, and without it every
+# statement with a packed column (each batch's INSERT) was compiled anew (SAWarning "will not
+# produce a cache key").
 class PackedInts(_Packed):
     typecode = "i"
+    cache_ok = True
 
 
 class PackedFloats(_Packed):
     typecode = "f"
+    cache_ok = True
 
 
 class Base(DeclarativeBase):

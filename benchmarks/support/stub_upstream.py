@@ -46,6 +46,7 @@ def render(messages: list[Any]) -> list[int]:
 
 def stub_app(
     latency: float = 0.0,
+    first_latency: float | None = None,
     token_delay: float = 0.0,
     drop_token_ids_at: int | None = None,
     break_at: int | None = None,
@@ -58,7 +59,8 @@ def stub_app(
     tool_calls: list[tuple[str, str]] | None = None,
     tokenize: bool = True,
 ) -> FastAPI:
-    """Faults: `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
+    """Faults: `first_latency` is how long the first chat call takes (the others `latency`);
+    `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
     the stream sends a malformed event and ends, without `[DONE]`; at `die_at` the server fails
     mid-stream and the connection is cut, as when the upstream dies; with `choiceless_first` the
     stream opens with a chunk that has no choices and no usage; at `garbled_at` a chunk's
@@ -72,6 +74,7 @@ def stub_app(
     `render` says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
     (`kv_transfer_params.prompt_token_ids`) as vLLM does."""
     app = FastAPI()
+    served: list[int] = []  # chat calls answered so far
 
     @app.post("/tokenize")
     async def render_route(request: Request) -> Response:
@@ -93,7 +96,9 @@ def stub_app(
             if "return_token_ids" in body:
                 unknown = {"error": {"message": "Unrecognized request argument supplied: return_token_ids"}}
                 return Response(orjson.dumps(unknown), 400)
-        await asyncio.sleep(latency)
+        first = not served
+        served.append(1)
+        await asyncio.sleep(first_latency if first_latency is not None and first else latency)
         given = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")  # token-in, as vLLM takes it
         prompt = given or render(body.get("messages") or [])
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}

@@ -21,7 +21,7 @@ SUMMARY = "So far: the failing test is test_parse, broken by the new date format
 def node(
     seq: int,
     digests: list[str],
-    ask: str = "x",
+    ask: str | None = None,
     answer: str = "",
     task: str | None = None,
     continues: int | None = None,
@@ -35,6 +35,8 @@ def node(
     thread: dict[str, Any] = {"messages": digests, "tools": "t0", "answers": [{"message": message}]}
     if continues is not None:
         thread["continues"] = {"call": f"c{continues}", "choice": 0}
+    # the request grows with the conversation (a message a digest here): equal digests, equal requests
+    later = [{"role": "user", "content": d} for d in digests[1:]]
     return replace(
         call("s", seq, [seq]),
         call_id=f"c{seq}",
@@ -42,7 +44,7 @@ def node(
         token_in=continues is not None,
         thread=thread,
         thread_start=why,
-        request={"messages": [{"role": "user", "content": ask}]},
+        request={"messages": [{"role": "user", "content": ask or f"ask {digests[0]}"}, *later]},
     )
 
 
