@@ -36,6 +36,7 @@ from proxy.settings import Settings
 from recorder.errors import StoreError, StoreValueError
 from recorder.store import Store
 from recorder.trajectories import WINDOW, TrainingSequence, build_sequences
+from recorder.validation import check
 from trainer.groups import group_view
 from trainer.loop import read_metrics
 
@@ -241,6 +242,7 @@ def create_app(
             return PlainTextResponse(f"no session {session_id!r} in this store", 404)
         calls = [c async for c in store.iter_calls(session_id)]
         report = build_sequences(calls, info, call_rewards=await store.call_rewards(session_id))
+        checked = check(calls, info)
         breaks = {b.seq: b for b in report.breaks}
         decode = request.app.state.decode
         sequences = [(q, tokens(q, decode), breaks.get(q.spans[0].seq) if q.spans else None) for q in report.sequences]
@@ -260,6 +262,8 @@ def create_app(
                 "sequences": sequences,
                 "windows": windows,
                 "rewards": await store.rewards(session_id),
+                "graph": {p.seq: p for p in checked.placements},
+                "grade": checked.grade,
                 "as_json": _as_json,
             },
         )
