@@ -3,6 +3,8 @@ without training and prints success per task."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +17,8 @@ from harness_adapters.config import CollectConfig, ConfigError, load_config
 from harness_adapters.runner import summary
 from harness_adapters.tasks import TaskError
 from proxy.server import stop_on_sigterm
+from recorder import Store
+from recorder.validation import grade_counts, grade_line
 
 app = typer.Typer(help="Run harness episodes through the proxy.")
 console = Console()
@@ -63,10 +67,17 @@ def collect(
     wins = sum(row.success for row in rows)
     table.add_row("all", str(len(results)), f"{wins} ({wins / max(len(results), 1):.0%})", "", "", "", "")
     console.print(table)
+    if db:
+        console.print(grade_line(asyncio.run(_grades(db, [r.session_id for r in results]))), highlight=False)
     for r in results:
         if r.status == "no_calls":
             console.print(f"[yellow]{r.session_id}[/yellow] (task {r.task.id}): {r.error}", highlight=False)
     console.print(f"episodes: {path}" + (f"\nstore: {db}  (rl-proxy export --db {db} ...)" if db else ""))
+
+
+async def _grades(db: str, sessions: list[str]) -> Counter[str]:
+    async with Store(db, readonly=True) as store:
+        return await grade_counts(store, sessions)
 
 
 if __name__ == "__main__":

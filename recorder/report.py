@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from recorder.trajectories import Break, SessionReport
-from recorder.validation import LEVELS
+from recorder.validation import grade_line
 
 Decode = Callable[[list[int]], str]
 
@@ -70,7 +70,7 @@ class RunSummary:
         reached, sampled = self.delivered
         fraction = f"{reached / sampled:.4f}" if sampled else "-"
         out.append(f"delivered_fraction {fraction} ({reached} of {sampled} sampled tokens of trained calls)")
-        out.append("capture grades: " + ", ".join(f"{level} {self.grades.get(level, 0)}" for level in LEVELS))
+        out.append(grade_line(self.grades))
         out += [f"breaks: {reason}: {n}" for reason, n in self.breaks.most_common()]
         if self.empty_sessions:
             out.append("sessions without calls (harness not using the proxy?): " + ", ".join(self.empty_sessions[:20]))

@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
 from recorder.graph import Placement, delivery, place
 from recorder.records import CallRecord, SessionInfo
+from recorder.store import Store
 from recorder.trajectories import TrainingSequence, build_sequences
 
 Level = Literal["FATAL", "WARN", "INFO", "OK"]
@@ -91,3 +93,15 @@ def check(calls: list[CallRecord], session: SessionInfo | None = None, min_calls
     trained = {p.seq for p in placements if p.trained}
     sequences = build_sequences([c for c in calls if c.seq in trained], session).sequences
     return Checked(placements, sequences, grade(calls, placements, sequences, min_calls))
+
+
+async def grade_counts(store: Store, sessions: list[str]) -> Counter[str]:
+    """How many of these sessions have each grade (`rl-proxy collect` prints them)."""
+    counts: Counter[str] = Counter()
+    for session_id in sessions:
+        counts[check([c async for c in store.iter_calls(session_id)]).grade.level] += 1
+    return counts
+
+
+def grade_line(counts: Counter[str]) -> str:
+    return "capture grades: " + ", ".join(f"{level} {counts.get(level, 0)}" for level in LEVELS)
