@@ -137,16 +137,17 @@ def report(db: DbOption = None, run: Annotated[str | None, typer.Option(help="on
 
     async def work(store: Store) -> Any:
         sessions = await store.list_sessions(run=run)
-        reports, edges, grades, reached, sampled = [], Counter[str](), Counter[str](), 0, 0
+        reports, edges, grades = [], Counter[str](), Counter[str]()
+        reached = sampled = chain = 0
         for s in sessions:
             calls = [c async for c in store.iter_calls(s.id)]
             reports.append(build_sequences(calls, s))
             checked = check(calls, s)
             edges.update(edge_counts(checked.placements))
-            got, meant = delivery(calls, checked.placements)
-            reached, sampled = reached + got, sampled + meant
+            got, meant, longest = delivery(calls, checked.placements)
+            reached, sampled, chain = reached + got, sampled + meant, chain + longest
             grades[checked.grade.level] += 1
-        return summarise(reports, {s.id: s.reward for s in sessions}, edges, (reached, sampled), grades)
+        return summarise(reports, {s.id: s.reward for s in sessions}, edges, (reached, sampled, chain), grades)
 
     console.print("\n".join(_with_store(db, work).lines()), markup=False, highlight=False, soft_wrap=True)
 

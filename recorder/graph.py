@@ -197,11 +197,14 @@ def edge_counts(placements: list[Placement]) -> dict[str, int]:
     return {edge: counts.get(edge, 0) for edge in EDGES} | {"aux": sum(p.purpose == "aux" for p in placements)}
 
 
-def delivery(calls: list[CallRecord], placements: list[Placement]) -> tuple[int, int]:
+def delivery(calls: list[CallRecord], placements: list[Placement]) -> tuple[int, int, int]:
     """(sampled tokens that reach a training sequence, sampled tokens of the calls placed to be
-    trained): what the capture lost of what should be trained (failed or skipped calls, ids
-    missing). Aux calls and the untrained one of a retry pair are in neither."""
+    trained, those in the longest sequence alone): what the capture lost of what should be
+    trained (failed or skipped calls, ids missing), and what keeping one chain per episode (as
+    NeMo Gym's capture and verl's keep-the-longest do) would deliver. Aux calls and the
+    untrained one of a retry pair are in none."""
     trained = {p.seq for p in placements if p.trained}
     kept = [c for c in calls if c.seq in trained]
     sampled = sum(len(choice.token_ids) for c in kept for choice in c.completions)
-    return sum(s.sampled_tokens for s in build_sequences(kept).sequences), sampled
+    reached = [s.sampled_tokens for s in build_sequences(kept).sequences]
+    return sum(reached), sampled, max(reached, default=0)

@@ -55,7 +55,7 @@ class RunSummary:
     skipped: int
     mean_reward: float | None
     edges: Counter[str]  # calls by how they joined their session (recorder/graph.py), and aux calls
-    delivered: tuple[int, int]  # sampled tokens reaching a training sequence, of those meant to (graph.delivery)
+    delivered: tuple[int, int, int]  # graph.delivery summed: reaching a sequence, meant to, in one chain
     grades: Counter[str]  # episodes by capture grade (recorder/validation.py)
 
     def lines(self) -> list[str]:
@@ -67,9 +67,12 @@ class RunSummary:
             "mean reward: " + ("none posted" if self.mean_reward is None else f"{self.mean_reward:.3f}"),
         ]
         out.append("calls by edge: " + ", ".join(f"{edge} {n}" for edge, n in self.edges.items()))
-        reached, sampled = self.delivered
-        fraction = f"{reached / sampled:.4f}" if sampled else "-"
-        out.append(f"delivered_fraction {fraction} ({reached} of {sampled} sampled tokens of trained calls)")
+        reached, sampled, chain = self.delivered
+        fraction, one = (f"{reached / sampled:.4f}", f"{chain / sampled:.4f}") if sampled else ("-", "-")
+        out.append(
+            f"delivered_fraction {fraction} ({reached} of {sampled} sampled tokens of trained calls); "
+            f"{one} keeping one chain per episode"
+        )
         out.append(grade_line(self.grades))
         out += [f"breaks: {reason}: {n}" for reason, n in self.breaks.most_common()]
         if self.empty_sessions:
@@ -81,7 +84,7 @@ def summarise(
     reports: list[SessionReport],
     rewards: dict[str, float | None],
     edges: Counter[str] | None = None,
-    delivered: tuple[int, int] = (0, 0),
+    delivered: tuple[int, int, int] = (0, 0, 0),
     grades: Counter[str] | None = None,
 ) -> RunSummary:
     given = [r for r in rewards.values() if r is not None]

@@ -58,7 +58,7 @@ def grade(
                 found["FATAL"].append(f"sequence {sequence.chain} trains other ids than call {span.seq} sampled")
     if len(calls) < min_calls:
         found["FATAL"].append(f"{len(calls)} call(s), and the harness was expected to make at least {min_calls}")
-    reached, meant = delivery(calls, placements)
+    reached, meant, _ = delivery(calls, placements)
     if meant and reached / meant < MIN_DELIVERED:
         found["WARN"].append(f"only {reached} of {meant} sampled tokens of trained calls reach a training sequence")
     aux = sum(len(c.token_ids) for call in calls if placed[call.seq].purpose == "aux" for c in call.completions)

@@ -114,9 +114,9 @@ def test_delivery_is_what_the_trained_calls_sampled_that_reaches_a_sequence() ->
     not meant for it."""
     failed = replace(node(3, ["x"]), ok=False, http_status=502, error="upstream died")
     calls = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), failed, node(4, ["z"], model="small-fast")]
-    assert delivery(calls, place(calls)) == (2, 3)
+    assert delivery(calls, place(calls)) == (2, 3, 1)
     retried = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), node(3, ["a", "b", "c"], continues=1)]
-    assert delivery(retried, place(retried)) == (2, 2)
+    assert delivery(retried, place(retried)) == (2, 2, 1)  # two sequences here: one chain keeps half
 
 
 def test_capture_grades() -> None:
