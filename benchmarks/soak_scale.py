@@ -36,114 +36,27 @@ from typing import Any
 
 import aiohttp
 import httpx
-import orjson
 import psycopg
 
-from benchmarks.support.load import p99
+from benchmarks.support.load import ALL_KINDS, Load, converse, p99
 from benchmarks.support.postgres import Server, temp_postgres
 from benchmarks.support.stack import new_database, process, read_store
-from benchmarks.support.stub_upstream import COMPLETION, MODEL
+from benchmarks.support.stub_upstream import COMPLETION
 from proxy.vllm import free_port
 from recorder import Store
 
-KINDS = tuple(f"{api}{mode}" for api in ("chat", "messages", "responses", "completions") for mode in ("", "-stream"))
-PATHS = {"chat": "chat/completions", "messages": "messages", "responses": "responses", "completions": "completions"}
-TURNS = 24  # per session (episode); then the worker starts a new one
-RETRY_AFTER = 0.5  # seconds a client waits before sending a failed call again
-RETRIES = 60
+TRIES = 60  # of a call, by a client, before it gives up
 CACHE_MB = 8  # each proxy's thread and Responses caches
 
 
 @dataclass
-class Run:
-    """What the clients saw and what was done to the deployment."""
+class Run(Load):
+    """What the clients saw (`errors`: calls that failed every try), and what was done to the
+    deployment."""
 
-    answered: list[tuple[str, int, str, str]] = field(default_factory=list)  # session, turn, kind, reply id
-    latencies: list[float] = field(default_factory=list)  # ms, from the first try of a call to its answer
-    failures: Counter[str] = field(default_factory=Counter)  # failed tries (sent again), by what the client saw
-    gave_up: list[str] = field(default_factory=list)
-    rss: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # proxy: (second, MB)
+    memory: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # proxy: (second, RSS MB)
     faults: list[str] = field(default_factory=list)
     caches: list[dict[str, dict[str, int]]] = field(default_factory=list)  # each proxy's, at the end
-    seconds: float = 0.0
-
-
-def request(kind: str, ask: str, history: list[Any], previous: str | None) -> tuple[str, dict[str, Any]]:
-    api, stream = kind.removesuffix("-stream"), kind.endswith("-stream")
-    body: dict[str, Any] = {"model": MODEL, "stream": stream}
-    if api == "responses":
-        body |= {"input": ask, "max_output_tokens": 16} | ({"previous_response_id": previous} if previous else {})
-    elif api == "completions":
-        history.append(ask)
-        body |= {"prompt": "\n".join(history), "max_tokens": 16}
-    else:
-        history.append({"role": "user", "content": ask})
-        body |= {"messages": history, "max_tokens": 16}
-    return PATHS[api], body
-
-
-def reply(kind: str, raw: bytes) -> tuple[str, str]:
-    """The answer's id and text as the client reads them; raises on an answer cut short."""
-    api = kind.removesuffix("-stream")
-    if not kind.endswith("-stream"):
-        data = orjson.loads(raw)
-        text = {
-            "chat": lambda: data["choices"][0]["message"]["content"],
-            "completions": lambda: data["choices"][0]["text"],
-            "messages": lambda: data["content"][0]["text"],
-            "responses": lambda: data["output"][0]["content"][0]["text"],
-        }[api]()
-        return str(data["id"]), str(text)
-    events = [orjson.loads(line[6:]) for line in raw.splitlines() if line.startswith(b"data: {")]
-    if api in ("chat", "completions"):
-        if b"data: [DONE]" not in raw:
-            raise ValueError("stream cut short")
-        choices = [e["choices"][0] for e in events if e.get("choices")]
-        return events[0]["id"], "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
-    if api == "messages":
-        if not any(e["type"] == "message_stop" for e in events):
-            raise ValueError("stream cut short")
-        start = next(e for e in events if e["type"] == "message_start")
-        deltas = [e["delta"].get("text") or "" for e in events if e["type"] == "content_block_delta"]
-        return start["message"]["id"], "".join(deltas)
-    done = next(e["response"] for e in events if e["type"] == "response.completed")
-    return done["id"], done["output"][0]["content"][0]["text"]
-
-
-async def converse(http: aiohttp.ClientSession, base: str, worker: str, kind: str, until: float, run: Run) -> None:
-    """Sessions of TURNS turns, one after another, until `until`; each failed call sent again."""
-    episode = turn = 0
-    history: list[Any] = []
-    previous = session = None
-    while time.monotonic() < until:
-        if turn % TURNS == 0:
-            episode, turn, history, previous = episode + 1, 0, [], None
-            session = f"{worker}-{episode}"
-        turn += 1
-        path, body = request(kind, f"{session} turn {turn}", history, previous)
-        start = time.perf_counter()
-        for _ in range(RETRIES):
-            try:
-                async with http.post(f"{base}/{path}", json=body, headers={"x-api-key": str(session)}) as resp:
-                    raw = await resp.read()
-                if resp.status == 200:
-                    previous, text = reply(kind, raw)
-                    break
-                run.failures[f"HTTP {resp.status}"] += 1
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                run.failures[type(exc).__name__] += 1
-            except (ValueError, KeyError, IndexError, StopIteration):
-                run.failures["answer cut short"] += 1
-            await asyncio.sleep(RETRY_AFTER)
-        else:
-            run.gave_up.append(f"{session} turn {turn}")
-            return
-        run.latencies.append((time.perf_counter() - start) * 1000)
-        run.answered.append((str(session), turn, kind, previous))
-        if kind.startswith("completions"):
-            history.append(text)
-        elif not kind.startswith("responses"):
-            history.append({"role": "assistant", "content": text})
 
 
 class Proxies:
@@ -299,7 +212,12 @@ async def inject(proxies: Proxies, pg: Server, db: str, seconds: float, started:
 
 
 async def load(
-    base: str, sessions: int, seconds: float, pids: Callable[[], list[int]], run: Run, kinds: tuple[str, ...] = KINDS
+    base: str,
+    sessions: int,
+    seconds: float,
+    pids: Callable[[], list[int]],
+    run: Run,
+    kinds: tuple[str, ...] = ALL_KINDS,
 ) -> None:
     """`sessions` concurrent clients for `seconds`, each on one of `kinds`; RSS of each proxy every 2 s."""
     started = time.monotonic()
@@ -309,7 +227,7 @@ async def load(
             for i, pid in enumerate(pids()):
                 mb = rss(pid)
                 if mb is not None:
-                    run.rss.setdefault(i, []).append((time.monotonic() - started, mb))
+                    run.memory.setdefault(i, []).append((time.monotonic() - started, mb))
             await asyncio.sleep(2.0)
 
     sampler = asyncio.create_task(sample())
@@ -318,7 +236,10 @@ async def load(
         tag = f"{time.monotonic_ns() % 10**8:x}"
         until = started + seconds
         await asyncio.gather(
-            *(converse(http, base, f"scale-{tag}-{i}", kinds[i % len(kinds)], until, run) for i in range(sessions))
+            *(
+                converse(http, base, f"scale-{tag}-{i}", kinds[i % len(kinds)], until, run, TRIES)
+                for i in range(sessions)
+            )
         )
     run.seconds = time.monotonic() - started
     sampler.cancel()
@@ -385,7 +306,7 @@ def plot(run: Run, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, samples in sorted(run.rss.items()):
+    for i, samples in sorted(run.memory.items()):
         ax.plot([t for t, _ in samples], [mb for _, mb in samples], label=f"proxy {i}")
     ax.set_xlabel("seconds into the run")
     ax.set_ylabel("RSS, MB")
@@ -438,7 +359,7 @@ async def report(run: Run, started: float, seconds: float) -> None:
         at = time.monotonic() - started
         print(
             f"  {at:.0f}/{seconds:.0f} s: {len(run.answered)} calls answered, "
-            f"{sum(run.failures.values())} tries failed and sent again",
+            f"{sum(run.failures.values())} tries failed",
             file=sys.stderr,
         )
 
@@ -476,7 +397,7 @@ def main() -> None:
     print("\n| proxy | RSS MB, first sample | middle third (median) | last third (median) | max |")
     print("|---:|---:|---:|---:|---:|")
     flat = True
-    for i, samples in sorted(run.rss.items()):
+    for i, samples in sorted(run.memory.items()):
         mb = [m for _, m in samples]
         third = max(1, len(mb) // 3)
         middle, last = statistics.median(mb[third : 2 * third] or mb), statistics.median(mb[-third:])
@@ -494,7 +415,7 @@ def main() -> None:
     if args.plot:
         plot(run, args.plot)
         print(f"\nmemory plot: {args.plot}")
-    for problem in (v.lost + v.duplicated + v.mismatched + run.gave_up)[:20]:
+    for problem in (v.lost + v.duplicated + v.mismatched + run.errors)[:20]:
         print(problem, file=sys.stderr)
     missed = [
         what
@@ -502,7 +423,7 @@ def main() -> None:
             ("calls lost", v.lost),
             ("calls duplicated", v.duplicated),
             ("calls mismatched", v.mismatched),
-            ("clients gave up", run.gave_up),
+            ("clients gave up", run.errors),
             ("joined share under 0.99", joined < 0.99),
             ("memory not flat (last third over 1.15 x the middle)", not flat),
         )

@@ -1,8 +1,9 @@
-"""The load generator of the soak (benchmarks/soak.py) and of the tests that run it briefly:
-many sessions making multi-turn calls through `rl-proxy serve` on the STUB upstream (not vLLM),
-each on one API (Chat Completions whole or streamed, Anthropic Messages, Responses chained by
-previous_response_id), and the check that every answered call is in the store, whole and in
-its place."""
+"""The load generator of the soaks (benchmarks/soak.py, benchmarks/soak_scale.py) and of the
+tests that run them briefly: many sessions making multi-turn calls through `rl-proxy serve` on
+the STUB upstream (not vLLM), each on one API (Chat Completions, Anthropic Messages, Responses
+chained by previous_response_id, text Completions; whole or streamed), a failed call sent again
+as a harness would, and the check that every answered call is in the store, whole and in its
+place."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -25,17 +27,24 @@ from benchmarks.support.stack import new_database, process, read_store
 from benchmarks.support.stub_upstream import COMPLETION, MODEL
 from proxy.vllm import free_port
 
-KINDS = ("chat", "chat-stream", "messages", "responses")
+KINDS = ("chat", "chat-stream", "messages", "responses")  # the one-proxy soak's
+ALL_KINDS = tuple(
+    f"{api}{mode}" for api in ("chat", "messages", "responses", "completions") for mode in ("", "-stream")
+)
+PATHS = {"chat": "chat/completions", "messages": "messages", "responses": "responses", "completions": "completions"}
 TURNS = 24  # per episode (session)
+RETRY_AFTER = 0.5  # seconds a client waits before sending a failed call again
 
 
 @dataclass
 class Load:
-    """What the clients saw: (session, turn, reply id) per answered call, latencies, errors,
-    and the proxy's RSS in MB once a second."""
+    """What the clients saw: (session, turn, kind, reply id) per answered call, latencies (ms,
+    from a call's first try to its answer), failed tries by what was seen, errors (calls that
+    failed every try), and the proxy's RSS in MB once a second."""
 
-    answered: list[tuple[str, int, str]] = field(default_factory=list)
+    answered: list[tuple[str, int, str, str]] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
+    failures: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
     rss: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -46,32 +55,56 @@ class Load:
 
 
 def request(kind: str, ask: str, history: list[Any], previous: str | None) -> tuple[str, dict[str, Any]]:
-    if kind == "responses":
-        body = {"model": MODEL, "input": ask, "max_output_tokens": 16}
-        return "responses", body | ({"previous_response_id": previous} if previous else {})
-    history.append({"role": "user", "content": ask})
-    if kind == "messages":
-        return "messages", {"model": MODEL, "messages": history, "max_tokens": 16}
-    return "chat/completions", {"model": MODEL, "messages": history, "max_tokens": 16, "stream": kind == "chat-stream"}
+    api, stream = kind.removesuffix("-stream"), kind.endswith("-stream")
+    body: dict[str, Any] = {"model": MODEL, "stream": stream}
+    if api == "responses":
+        body |= {"input": ask, "max_output_tokens": 16} | ({"previous_response_id": previous} if previous else {})
+    elif api == "completions":
+        history.append(ask)
+        body |= {"prompt": "\n".join(history), "max_tokens": 16}
+    else:
+        history.append({"role": "user", "content": ask})
+        body |= {"messages": history, "max_tokens": 16}
+    return PATHS[api], body
 
 
 def reply(kind: str, raw: bytes) -> tuple[str, str]:
-    """The answer's id and text, as the client reads them."""
-    if kind == "chat-stream":
-        chunks = [orjson.loads(line[5:]) for line in raw.splitlines() if line.startswith(b"data: {")]
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        return chunks[0]["id"], text
-    data = orjson.loads(raw)
-    if kind == "messages":
-        return data["id"], data["content"][0]["text"]
-    if kind == "responses":
-        return data["id"], data["output"][0]["content"][0]["text"]
-    return data["id"], data["choices"][0]["message"]["content"]
+    """The answer's id and text as the client reads them; raises on an answer cut short."""
+    api = kind.removesuffix("-stream")
+    if not kind.endswith("-stream"):
+        data = orjson.loads(raw)
+        text = {
+            "chat": lambda: data["choices"][0]["message"]["content"],
+            "completions": lambda: data["choices"][0]["text"],
+            "messages": lambda: data["content"][0]["text"],
+            "responses": lambda: data["output"][0]["content"][0]["text"],
+        }[api]()
+        return str(data["id"]), str(text)
+    events = [orjson.loads(line[6:]) for line in raw.splitlines() if line.startswith(b"data: {")]
+    if api in ("chat", "completions"):
+        if b"data: [DONE]" not in raw:
+            raise ValueError("stream cut short")
+        choices = [e["choices"][0] for e in events if e.get("choices")]
+        return events[0]["id"], "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
+    if api == "messages":
+        if not any(e["type"] == "message_stop" for e in events):
+            raise ValueError("stream cut short")
+        start = next(e for e in events if e["type"] == "message_start")
+        deltas = [e["delta"].get("text") or "" for e in events if e["type"] == "content_block_delta"]
+        return start["message"]["id"], "".join(deltas)
+    done = next(e["response"] for e in events if e["type"] == "response.completed")
+    return done["id"], done["output"][0]["content"][0]["text"]
 
 
-async def converse(http: aiohttp.ClientSession, base: str, worker: str, kind: str, until: float, load: Load) -> None:
-    """Episodes of TURNS turns, one after another (an agent's context does not grow forever)."""
+async def converse(
+    http: aiohttp.ClientSession, base: str, worker: str, kind: str, until: float, load: Load, tries: int = 1
+) -> None:
+    """Sessions of TURNS turns, one after another, until `until` (an agent's context does not
+    grow forever). A failed call is sent again after RETRY_AFTER, `tries` times in all, as a
+    harness retries; one that fails them all is an error and ends the worker."""
     episode = turn = 0
+    history: list[Any] = []
+    previous = session = None
     while time.monotonic() < until:
         if turn % TURNS == 0:
             episode, turn, history, previous = episode + 1, 0, [], None
@@ -79,20 +112,30 @@ async def converse(http: aiohttp.ClientSession, base: str, worker: str, kind: st
         turn += 1
         path, body = request(kind, f"{session} turn {turn}", history, previous)
         start = time.perf_counter()
-        try:
-            async with http.post(f"{base}/{path}", json=body, headers={"x-api-key": session}) as resp:
-                raw = await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            load.errors.append(f"{session} turn {turn}: {exc!r}")
-            return
-        if resp.status != 200:
-            load.errors.append(f"{session} turn {turn}: {resp.status} {raw[:300]!r}")
+        for attempt in range(tries):
+            try:
+                async with http.post(f"{base}/{path}", json=body, headers={"x-api-key": str(session)}) as resp:
+                    raw = await resp.read()
+                if resp.status == 200:
+                    previous, text = reply(kind, raw)
+                    break
+                seen, failed = f"HTTP {resp.status}", f"{resp.status} {raw[:300]!r}"
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                seen, failed = type(exc).__name__, repr(exc)
+            except (ValueError, KeyError, IndexError, StopIteration):
+                seen = failed = "answer cut short"
+            load.failures[seen] += 1
+            if attempt < tries - 1:
+                await asyncio.sleep(RETRY_AFTER)
+        else:
+            load.errors.append(f"{session} turn {turn}: {failed}")
             return
         load.latencies.append((time.perf_counter() - start) * 1000)
-        previous, text = reply(kind, raw)
-        if kind != "responses":
+        load.answered.append((str(session), turn, kind, previous))
+        if kind.startswith("completions"):
+            history.append(text)
+        elif not kind.startswith("responses"):
             history.append({"role": "assistant", "content": text})
-        load.answered.append((session, turn, previous))
 
 
 async def run_load(base: str, sessions: int, seconds: float, kinds: tuple[str, ...], pid: int | None) -> Load:
@@ -129,7 +172,7 @@ def verify(db: str, load: Load) -> list[str]:
 
     by_turn = {(c.session_id, c.seq): c for c in read_store(db, calls)}
     problems = []
-    for session, turn, reply_id in load.answered:
+    for session, turn, _, reply_id in load.answered:
         call = by_turn.get((session, turn))
         if call is None:
             problems.append(f"lost: {session} turn {turn}")
