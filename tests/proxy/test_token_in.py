@@ -57,27 +57,37 @@ def test_template_inputs_are_part_of_a_thread_and_a_change_starts_a_new_one(make
     assert not changed.token_in and changed.thread_start == "the tools or the chat template changed"
 
 
-def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_second_is_a_fork(
-    make_proxy: Any, stub: str
-) -> None:
-    """A harness's retry, or two branches sent together: both continue the first answer token-in,
-    each with its own bridge, and the record says which one forked."""
-    proxy = make_proxy(stub)
+def fork(key: str, first: str, branch_urls: list[str]) -> list[list[dict[str, Any]]]:
+    """A first call to `first`, then two calls at once continuing its answer (to the two URLs),
+    each with its own new message; the two branches' messages."""
     ask = [{"role": "user", "content": "hi"}]
-    headers = {"x-api-key": "s-fork"}
-    httpx.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": ask}, headers=headers)
+    headers = {"x-api-key": key}
+    httpx.post(f"{first}/chat/completions", json={"model": MODEL, "messages": ask}, headers=headers)
     branches = [
         [*ask, {"role": "assistant", "content": "stub answer"}, {"role": "user", "content": q}]
         for q in ("left?", "right, at some length?")
     ]
 
     async def send_both() -> None:
-        async with httpx.AsyncClient(base_url=proxy.v1, headers=headers) as client:
-            sent = [client.post("/chat/completions", json={"model": MODEL, "messages": m}) for m in branches]
+        async with httpx.AsyncClient(headers=headers) as client:
+            sent = [
+                client.post(f"{url}/chat/completions", json={"model": MODEL, "messages": m})
+                for url, m in zip(branch_urls, branches, strict=True)
+            ]
             for answer in await asyncio.gather(*sent):
                 answer.raise_for_status()
 
     asyncio.run(send_both())
+    return branches
+
+
+def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_second_is_a_fork(
+    make_proxy: Any, stub: str
+) -> None:
+    """A harness's retry, or two branches sent together: both continue the first answer token-in,
+    each with its own bridge, and the record says which one forked."""
+    proxy = make_proxy(stub)
+    branches = fork("s-fork", proxy.v1, [proxy.v1, proxy.v1])
     first, *continuing = proxy.calls("s-fork")
     bridges = {tuple(render(m)[len(render(m[:2])) - 1 :]) for m in branches}  # after the echoed answer
     got = {tuple(c.prompt_token_ids[len(first.prompt_token_ids) + len(COMPLETION) :]) for c in continuing}
@@ -97,24 +107,7 @@ def test_two_calls_continuing_one_answer_at_once_on_two_proxies_are_two_exact_se
     Both proxies number their call 2: the one that commits second failed (a unique violation,
     answered 503) until a batch whose numbers were taken meanwhile was numbered anew."""
     first_proxy, left, right = (make_proxy(stub, db=db) for _ in range(3))
-    ask = [{"role": "user", "content": "hi"}]
-    headers = {"x-api-key": "s-fork-across"}
-    httpx.post(f"{first_proxy.v1}/chat/completions", json={"model": MODEL, "messages": ask}, headers=headers)
-    branches = [
-        [*ask, {"role": "assistant", "content": "stub answer"}, {"role": "user", "content": q}]
-        for q in ("left?", "right, at some length?")
-    ]
-
-    async def send_both() -> None:
-        async with httpx.AsyncClient(headers=headers) as client:
-            sent = [
-                client.post(f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": m})
-                for proxy, m in zip((left, right), branches, strict=True)
-            ]
-            for answer in await asyncio.gather(*sent):
-                answer.raise_for_status()
-
-    asyncio.run(send_both())
+    fork("s-fork-across", first_proxy.v1, [left.v1, right.v1])
     calls = first_proxy.calls("s-fork-across")
     assert [c.token_in for c in calls] == [False, True, True], [c.thread_start for c in calls]
     sequences = build_sequences(calls).sequences  # as in one process: the later branch is a sequence of its own
