@@ -174,7 +174,7 @@ async def responses(request: Request) -> Response:
     ask_for_tokens(state, chat)
     call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
     call.response_id = f"resp_{uuid.uuid4().hex}"
-    call.on_recorded = request.app.state.rlp.recent_responses.remember
+    call.on_recorded = state.recent_responses.remember
     call.rewrites = await fit_to_backend(state, chat, session)
     await call.plan_prompt(chat)
     try:
