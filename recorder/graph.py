@@ -5,8 +5,9 @@ A harness session is not one thread. Token-in joins a call to the one whose answ
 sequence, and it is placed here by what links it to the calls before it, read from the records
 alone (so it works on any store, whatever proxy served the calls):
 
-- `retry`: the same request as an earlier call (the same conversation, tools and settings, no
-  new message: an SDK's retry, sent again after a timeout, answered or not): linked to it.
+- `retry`: the same request as an earlier call, and the same prompt ids where both have them
+  (the same conversation, tools and settings, no new message: an SDK's retry, sent again after
+  a timeout, answered or not): linked to it.
   Only one of the two is trained: the one a later call continued; if neither was continued,
   the retry (the harness sent it because the original's answer never reached it).
 - `subagent`: a new conversation whose first user message is a string argument of a tool call
@@ -121,7 +122,7 @@ def _link(
 ) -> tuple[Edge, int | None, str | None]:
     mine = digests[call.seq]
     # First: a re-send continues whatever the original continued, so token-in joins it as a fork.
-    same = [c for c in earlier if _asked(c) == _asked(call)]
+    same = [c for c in earlier if _asked(c) == _asked(call) and _same_prompt(c, call)]
     if same:
         return "retry", same[-1].seq, None
     continued = (call.thread or {}).get("continues") or {}
@@ -167,6 +168,12 @@ def _asked(call: CallRecord) -> bytes:
     SDKs' retries send the same body again), whether or not the first was answered."""
     asked = {k: v for k, v in call.request.items() if k not in TRANSPORT}
     return orjson.dumps(asked, option=orjson.OPT_SORT_KEYS)
+
+
+def _same_prompt(a: CallRecord, b: CallRecord) -> bool:
+    """Whether two calls had one prompt, as far as their records say (a re-send gets the one its
+    original got; a call that failed before the upstream answered has none)."""
+    return not a.prompt_token_ids or not b.prompt_token_ids or a.prompt_token_ids == b.prompt_token_ids
 
 
 def _extends(call: CallRecord, before: CallRecord) -> bool:

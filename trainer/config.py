@@ -91,6 +91,9 @@ class TrainSection(Strict):
     sync_every: int = Field(1, ge=1)
     baseline: Literal["mean", "leave_one_out"] = "mean"
     failure_reward: float = Field(0.0, description="the reward of an episode whose harness crashed or timed out")
+    min_calls: int = Field(
+        1, ge=1, description="fewer calls than this in an episode is a FATAL capture (a harness expected to loop)"
+    )
     allow_truncated_sampling: bool = Field(
         False, description="train on calls sampled with top_p, top_k, min_p or penalties (their ratios are off)"
     )

@@ -254,7 +254,7 @@ class GroupReader:
                     reward, why = None, "sampling"
                 else:
                     # aux calls (another model: titles, side checks) and a superseded retry are left out
-                    checked = check(calls, s)
+                    checked = check(calls, s, self.config.train.min_calls)
                     if checked.grade.level == "FATAL":
                         log.warning("episode %s left out of training: %s", s.id, checked.grade.problems[0])
                         reward, why = None, "capture"

@@ -39,6 +39,7 @@ def node(
     later = [{"role": "user", "content": d} for d in digests[1:]]
     return replace(
         call("s", seq, [seq]),
+        prompt_token_ids=[sum(map(ord, d)) for d in digests],  # equal digests, equal prompts
         call_id=f"c{seq}",
         model=model,
         token_in=continues is not None,
