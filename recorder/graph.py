@@ -24,6 +24,7 @@ checking topics), else `train`. `aux` calls are placed and exported, never train
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,6 +37,7 @@ from recorder.trajectories import build_sequences
 Edge = Literal["continue", "fork", "retry", "subagent", "compaction", "new"]
 Purpose = Literal["train", "aux"]
 EDGES: tuple[Edge, ...] = ("continue", "fork", "retry", "subagent", "compaction", "new")
+TRANSPORT = ("stream", "stream_options", "metadata", "user", "store")  # how a call is sent, not what it asks
 MIN_LINK_TEXT = 24  # characters a text must have to link two calls (short ones match by chance)
 
 
@@ -102,55 +104,74 @@ def policy_model(calls: list[CallRecord]) -> str | None:
     return max(counts, key=lambda m: (counts[m], -next(i for i, c in enumerate(calls) if c.model == m)), default=None)
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What placing needs of a call, read once (placing compares every call with the earlier ones)."""
+
+    asked: bytes  # digest of its request (_asked)
+    messages: list[str] | None  # its thread's message digests
+    arguments: set[str]  # string arguments of the tool calls it sampled
+    texts: list[str]  # the texts it sampled
+
+
+def _facts(call: CallRecord) -> _Facts:
+    asked = {k: v for k, v in call.request.items() if k not in TRANSPORT}
+    digest = hashlib.blake2b(orjson.dumps(asked, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
+    return _Facts(digest, (call.thread or {}).get("messages"), _string_arguments(call), _sampled_texts(call))
+
+
 def place(calls: list[CallRecord]) -> list[Placement]:
     """Every call of one session placed, in call order."""
     ordered = sorted(calls, key=lambda c: c.seq)
     policy = policy_model(ordered)
-    digests = {c.seq: (c.thread or {}).get("messages") for c in ordered}
+    facts = {c.seq: _facts(c) for c in ordered}
     placed: dict[int, Placement] = {}
     for i, call in enumerate(ordered):
-        earlier = ordered[:i]
         purpose: Purpose = "train" if call.model == policy else "aux"
-        edge, parent, reason = _link(call, earlier, digests)
+        edge, parent, reason = _link(call, ordered[:i], facts)
         root = placed[parent].root if edge == "continue" and parent in placed else call.seq
         placed[call.seq] = Placement(call.seq, root, parent, edge, reason, purpose, purpose == "train")
     return _resolve_retries(list(placed.values()))
 
 
-def _link(
-    call: CallRecord, earlier: list[CallRecord], digests: dict[int, list[str] | None]
-) -> tuple[Edge, int | None, str | None]:
-    mine = digests[call.seq]
+def _link(call: CallRecord, earlier: list[CallRecord], facts: dict[int, _Facts]) -> tuple[Edge, int | None, str | None]:
+    mine = facts[call.seq]
     # First: a re-send continues whatever the original continued, so token-in joins it as a fork.
-    same = [c for c in earlier if _asked(c) == _asked(call) and _same_prompt(c, call)]
+    same = [c for c in earlier if facts[c.seq].asked == mine.asked and _same_prompt(c, call)]
     if same:
         return "retry", same[-1].seq, None
     continued = (call.thread or {}).get("continues") or {}
     by_id = {c.call_id: c.seq for c in earlier}
+    fork = (call.thread_start or "").startswith("a fork")
     if call.token_in and continued.get("call") in by_id:  # what the proxy planned it on
-        fork = (call.thread_start or "").startswith("a fork")
         return ("fork" if fork else "continue"), by_id[continued["call"]], None
-    if call.token_in and mine:  # recorded before the proxy said (schema 9's first records)
+    if call.token_in and mine.messages:  # recorded before the proxy said (schema 9's first records)
         # the longest earlier conversation this one extends by the answer and more
-        parents = [c for c in earlier if digests[c.seq] and mine[: len(digests[c.seq] or [])] == digests[c.seq]]
-        parents = [c for c in parents if len(digests[c.seq] or []) < len(mine)]
+        parents = [
+            c
+            for c in earlier
+            if (theirs := facts[c.seq].messages)
+            and len(theirs) < len(mine.messages)
+            and mine.messages[: len(theirs)] == theirs
+        ]
         if parents:
-            parent = max(parents, key=lambda c: (len(digests[c.seq] or []), c.seq))
-            fork = (call.thread_start or "").startswith("a fork")
+            parent = max(parents, key=lambda c: (len(facts[c.seq].messages or []), c.seq))
             return ("fork" if fork else "continue"), parent.seq, None
-    extended = [c for c in earlier if c.completions and _extends(call, c)]
-    if extended:  # a prompt that is an earlier call's tokens and more: one sequence, as trajectories merge it
-        return "continue", max(extended, key=lambda c: (len(c.prompt_token_ids), c.seq)).seq, None
+    # A prompt that is an earlier call's tokens and more: one sequence, as trajectories merge it.
+    # Those calls are a chain, each extending the one before: the latest is the longest.
+    extended = next((c for c in reversed(earlier) if c.completions and _extends(call, c)), None)
+    if extended is not None:
+        return "continue", extended.seq, None
     links: list[tuple[Edge, int]] = []
     said = conversation(call.request)
     first_user = next((text for role, text in said if role == "user"), "")
     carried = [text for role, text in said[:3] if role != "assistant"]
     for before in reversed(earlier):
-        if first_user and first_user in _string_arguments(before):
+        if first_user and first_user in facts[before.seq].arguments:
             links.append(("subagent", before.seq))
             break
     for before in reversed(earlier):
-        if any(sampled in text for sampled in _sampled_texts(before) for text in carried):
+        if any(sampled in text for sampled in facts[before.seq].texts for text in carried):
             links.append(("compaction", before.seq))
             break
     if len(links) == 1:
@@ -160,16 +181,6 @@ def _link(
     return "new", None, call.thread_start or ("no link to an earlier call" if earlier else "first call of the session")
 
 
-TRANSPORT = ("stream", "stream_options", "metadata", "user", "store")  # how a call is sent, not what it asks
-
-
-def _asked(call: CallRecord) -> bytes:
-    """What a call asks, as its client sent it: equal for a re-send of the same request (the
-    SDKs' retries send the same body again), whether or not the first was answered."""
-    asked = {k: v for k, v in call.request.items() if k not in TRANSPORT}
-    return orjson.dumps(asked, option=orjson.OPT_SORT_KEYS)
-
-
 def _same_prompt(a: CallRecord, b: CallRecord) -> bool:
     """Whether two calls had one prompt, as far as their records say (a re-send gets the one its
     original got; a call that failed before the upstream answered has none)."""
@@ -177,9 +188,11 @@ def _same_prompt(a: CallRecord, b: CallRecord) -> bool:
 
 
 def _extends(call: CallRecord, before: CallRecord) -> bool:
-    ids = [*before.prompt_token_ids, *before.completions[0].token_ids]
-    longer = len(call.prompt_token_ids) > len(ids)
-    return bool(before.prompt_token_ids) and longer and call.prompt_token_ids[: len(ids)] == ids
+    """Whether a call's prompt is an earlier call's prompt and answer, and more (its answer
+    compared first: the short test that fails for most pairs)."""
+    prompt, answer, ids = before.prompt_token_ids, before.completions[0].token_ids, call.prompt_token_ids
+    end = len(prompt) + len(answer)
+    return bool(prompt) and len(ids) > end and ids[len(prompt) : end] == answer and ids[: len(prompt)] == prompt
 
 
 def _resolve_retries(placements: list[Placement]) -> list[Placement]:
