@@ -94,7 +94,7 @@ async def round_robin(bases: list[str], sessions: int, turns: int) -> Load:
                 return
             reply_id, text = reply("chat", raw)
             history.append({"role": "assistant", "content": text})
-            load.answered.append((session, turn, reply_id))
+            load.answered.append((session, turn, "chat", reply_id))
 
     async with aiohttp.ClientSession() as http:
         await asyncio.gather(*(converse(http, f"rr-{i}") for i in range(sessions)))

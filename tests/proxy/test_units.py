@@ -295,7 +295,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
             "model": "m",
             "messages": [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
         }
-        assert await threads.plan(upstream, "s", follow) == Plan(expected, None)
+        assert await threads.plan(upstream, "s", follow) == Plan(expected, None, None, {"call": "c1", "choice": 0})
         other = {
             **follow,
             "messages": [*ask, {"role": "assistant", "content": "not ok"}, {"role": "user", "content": "more"}],
