@@ -13,9 +13,7 @@ FSDP2 on NCCL is `torchrun --nproc-per-node N -m tests.support.distributed_step 
 from __future__ import annotations
 
 import json
-import random
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 
@@ -23,7 +21,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tests.support.sequences import groups, sequence
+    from tests.support.sequences import cut_episode, groups
     from trainer.grpo import Learner, Sample
 
     tokenizer_dir, out = sys.argv[1], Path(sys.argv[2])
@@ -51,14 +49,7 @@ def main() -> None:
 
     fp32 = Learner(str(out / "tiny"), out / "b", {**grpo, "bf16": False}, total_steps=1, micro_batch=4)
     found["loss_bf16_checkpoint_autocast_vs_fp32"] = [loss, float(sum(fp32.part_losses(samples)).detach())]
-    rng = random.Random(11)
-    whole = sequence(rng, [(10, 4), (5, 4), (6, 4)], session="cut")
-    cuts = []
-    for k, span in enumerate(whole.spans):
-        mask = [int(span.start <= i < span.end) for i in range(span.end)]
-        logprobs = [lp if m else 0.0 for lp, m in zip(whole.logprobs, mask, strict=False)]
-        cuts.append(replace(whole, chain=k, input_ids=whole.input_ids[: span.end], loss_mask=mask, logprobs=logprobs))
-    other = Sample(sequence(rng, [(8, 6)], session="other"), -0.8)
+    whole, cuts, other = cut_episode()
     one = float(sum(fp32.part_losses([Sample(whole, 1.1), other])).detach())
     three = float(sum(fp32.part_losses([*(Sample(c, 1.1) for c in cuts), other])).detach())
     found["episode_as_1_vs_3_sequences"] = [one, three]

@@ -59,3 +59,17 @@ def groups() -> list[Sample]:
             )
             samples.append(Sample(built, rng.uniform(-1, 1)))
     return samples
+
+
+def cut_episode(seed: int = 11) -> tuple[TrainingSequence, list[TrainingSequence], Sample]:
+    """An episode of 3 turns as 1 sequence and as 3 (each turn's sampled tokens trained after
+    the whole context before them, as a subagent, compaction or fork would cut it), and another
+    episode of 1 sequence to stand beside it."""
+    rng = random.Random(seed)
+    whole = sequence(rng, [(10, 4), (5, 4), (6, 4)], session="cut")
+    cuts = []
+    for k, span in enumerate(whole.spans):
+        mask = [int(span.start <= i < span.end) for i in range(span.end)]
+        logprobs = [lp if m else 0.0 for lp, m in zip(whole.logprobs, mask, strict=False)]
+        cuts.append(replace(whole, chain=k, input_ids=whole.input_ids[: span.end], loss_mask=mask, logprobs=logprobs))
+    return whole, cuts, Sample(sequence(rng, [(8, 6)], session="other"), -0.8)

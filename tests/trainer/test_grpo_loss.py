@@ -10,7 +10,6 @@ with SmolLM2's tokenizer keeps it fast.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 from recorder.episodes import advantages  # noqa: E402
-from tests.support.sequences import LORA, groups, sequence  # noqa: E402
+from tests.support.sequences import LORA, cut_episode, groups, sequence  # noqa: E402
 from trainer.grpo import Learner, Sample  # noqa: E402
 
 CASES = [
@@ -417,14 +416,7 @@ def test_an_episode_cut_into_three_sequences_weighs_what_it_weighs_as_one(
     grpo = {**_config(loss_type, "token", None), "max_completion_length": 64}
     learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=2)
     learner.model.train()
-    rng = random.Random(11)
-    whole = sequence(rng, [(10, 4), (5, 4), (6, 4)], session="cut")
-    cuts = []
-    for k, span in enumerate(whole.spans):
-        mask = [int(span.start <= i < span.end) for i in range(span.end)]
-        logprobs = [lp if m else 0.0 for lp, m in zip(whole.logprobs, mask, strict=False)]
-        cuts.append(replace(whole, chain=k, input_ids=whole.input_ids[: span.end], loss_mask=mask, logprobs=logprobs))
-    other = Sample(sequence(rng, [(8, 6)], session="other"), -0.8)
+    whole, cuts, other = cut_episode()
 
     def loss_and_grads(samples: list[Sample]) -> tuple[Any, list[Any]]:
         loss = sum(learner.part_losses(samples))
