@@ -390,6 +390,28 @@ def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -
         body["logprobs"] = 0
 
 
+def forced_tool_choice(choice: str, body: dict[str, Any]) -> str | dict[str, Any] | None:
+    """The session's tool choice for the upstream `body`; None leaves the call's own. A named
+    tool is forced only where offered (forcing one a call lacks would be refused), and marked
+    `strict` in the body's own copy of the tools: vLLM's hermes parser constrains only a forced
+    call's envelope, and `strict` pins its arguments to the tool's schema as well."""
+    tools = body.get("tools")
+    if not tools or not isinstance(tools, list):
+        return None
+    if choice in ("auto", "required", "none"):
+        return choice
+    names = [(tool.get("function") or {}).get("name") if isinstance(tool, dict) else None for tool in tools]
+    if choice not in names:
+        return None
+    at = names.index(choice)
+    body["tools"] = [
+        *tools[:at],
+        {**tools[at], "function": {**tools[at]["function"], "strict": True}},
+        *tools[at + 1 :],
+    ]
+    return {"type": "function", "function": {"name": choice}}
+
+
 async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: SessionInfo | None = None) -> dict[str, Any]:
     """Map the requested model to a served one, cap the completion length and set the session's
     own sampling settings (admin API), in the upstream body (the recorded request stays as the
@@ -397,8 +419,10 @@ async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: Sessi
     settings = state.settings
     rewrites: dict[str, Any] = {}
     forced = session.sampling.model_dump(exclude_none=True) if session and session.sampling else {}
+    if "tool_choice" in forced:
+        forced["tool_choice"] = forced_tool_choice(forced["tool_choice"], body)
     for name, value in forced.items():
-        if body.get(name) != value and (name != "tool_choice" or body.get("tools")):
+        if value is not None and body.get(name) != value:
             rewrites[name] = [body.get(name), value]
             body[name] = value
     served = await state.upstreams.first.served_models()

@@ -50,7 +50,8 @@ from recorder.records import ThreadRecord
 log = logging.getLogger("rl_proxy.threads")
 
 THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-THREADS_PER_SESSION = 4  # a harness may fork: retries, sub-agents, n > 1
+THREADS_PER_SESSION = 16  # a harness may branch: retries, subagents, n > 1
+RECENT_THREADS = 4  # never forgotten for an older one: a retry or fork continues a recent answer
 END_OF_TURN_TEMPLATES = 1024  # model and template pairs whose end-of-turn token is kept
 RENDER_TIMEOUT = 10.0  # seconds a rendering may take before the call goes as messages
 
@@ -80,8 +81,14 @@ def _canonical(value: Any) -> Any:
 
 def exact(message: dict[str, Any]) -> bytes:
     """A message of the history, whole: any edit of it (its whitespace, a `name`, a
-    `tool_call_id`, an image part) means the model would see other tokens, so a new thread."""
-    return digest(("exact", orjson.dumps(_canonical(message), option=orjson.OPT_SORT_KEYS)))
+    `tool_call_id`, an image part) means the model would see other tokens, so a new thread.
+    Content of one text part is its text: vLLM renders the two alike, and Claude Code sends a
+    turn as a part, then as a string in its next call."""
+    canonical = _canonical(message)
+    match canonical.get("content"):
+        case [{"type": "text", "text": str(text), **rest}] if not rest:
+            canonical["content"] = text
+    return digest(("exact", orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)))
 
 
 def norm(message: dict[str, Any]) -> tuple[Any, ...]:
@@ -221,7 +228,14 @@ class Threads:
         return new
 
     def _keep(self, session_id: str, thread: Thread) -> None:
-        self.cache[session_id] = (*self.cache.get(session_id, ()), thread)[-THREADS_PER_SESSION:]
+        """Add a thread to the session's, forgetting beyond THREADS_PER_SESSION the oldest that a
+        later call continued, before any branch's latest: a subagent of many calls leaves its
+        parent's thread to be continued when it returns."""
+        threads = [*self.cache.get(session_id, ()), thread]
+        while len(threads) > THREADS_PER_SESSION:
+            older = threads[:-RECENT_THREADS]
+            threads.remove(next((t for t in older if t.continued), older[0]))
+        self.cache[session_id] = tuple(threads)
 
     def _continued(self, session_id: str, messages: list[dict[str, Any]], tools: bytes) -> tuple[Thread, Answer] | str:
         """The thread (and its answer) that `messages` continue, or why none does."""
@@ -229,9 +243,10 @@ class Threads:
         if not threads:
             return "first call of the session seen by this proxy"
         why = "the conversation is not a continuation of an earlier call's"
+        digests = [exact(m) for m in messages[:-1]]
         for thread in sorted(threads, key=lambda t: -len(t.messages)):
             n = len(thread.messages)
-            if len(messages) <= n + 1 or [exact(m) for m in messages[:n]] != thread.messages:
+            if len(messages) <= n + 1 or digests[:n] != thread.messages:
                 continue
             if thread.tools != tools:
                 why = "the tools or the chat template changed"

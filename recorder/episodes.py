@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -66,7 +66,9 @@ class Sampling(Record):
     seed: int | None = None
     # Set only on calls that offer tools: "required" makes a model that never calls one (a small
     # model in Claude Code or Codex) call one on every turn, its arguments sampled under a grammar.
-    tool_choice: Literal["auto", "required", "none"] | None = None
+    # Any other value is a tool's name, forced on the calls that offer that tool and no other
+    # (Claude Code's "Agent": the main loop starts a subagent, whose own calls go unforced).
+    tool_choice: Literal["auto", "required", "none"] | Annotated[str, Field(pattern=r"^[\w.:-]{1,64}$")] | None = None
 
 
 class RewardRule(Record):

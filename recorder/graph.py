@@ -10,16 +10,20 @@ alone (so it works on any store, whatever proxy served the calls):
   a timeout, answered or not): linked to it.
   Only one of the two is trained: the one a later call continued; if neither was continued,
   the retry (the harness sent it because the original's answer never reached it).
-- `subagent`: a new conversation whose first user message is a string argument of a tool call
-  sampled earlier in the session (Claude Code's Task tool and its like): linked to that call.
+- `subagent`: a new conversation whose first user message (or a text part of it) is a string
+  argument of a tool call sampled earlier in the session (Claude Code's Agent tool and its
+  like): linked to that call.
 - `compaction`: a new conversation whose first messages carry an answer sampled earlier (the
   summary), linked to the call that sampled it.
 - `new`: none of these, with the reason; "ambiguous" when more than one link fits (a graph
   never joins wrongly).
 
 Each call also gets a purpose: `aux` for a call to another model than the session's policy
-model (the model most of its calls ask for: a harness's small fast model writing titles or
-checking topics), else `train`. `aux` calls are placed and exported, never trained by default.
+model (the model most of its calls outside branches ask for) that nothing links to the work
+(a harness's small fast model writing titles or checking topics), else `train`. A subagent's
+or compaction's branch is `train` whatever model it asks (Claude Code runs a subagent on the
+model its Agent call names), and a chain keeps its first call's purpose. `aux` calls are
+placed and exported, never trained by default.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class Placement:
     root: int  # the first call of the sequence this call belongs to
     parent: int | None  # the call it continues, re-sends, serves or starts from
     edge: Edge
-    reason: str | None  # why a `new` call is new
+    reason: str | None  # why a `new` call is new; what links a subagent (the argument) or compaction (the summary)
     purpose: Purpose
     trained: bool  # train purpose, and not the untrained one of a retry pair
 
@@ -94,6 +98,18 @@ def _string_arguments(call: CallRecord) -> set[str]:
     return found
 
 
+def first_user_parts(request: dict[str, Any]) -> set[str]:
+    """The text parts of a request's first user message, each alone: Claude Code starts a
+    subagent's conversation with reminders in parts of their own, then the Agent call's prompt."""
+    items = request.get("messages") or request.get("input") or []
+    if isinstance(items, str):
+        return {items.strip()}
+    first = next((m for m in items if isinstance(m, dict) and m.get("role") == "user"), {}) if isinstance(items, list) else {}
+    content = first.get("content")
+    parts = content if isinstance(content, list) else [content]
+    return {text for text in (_text(p.get("text") if isinstance(p, dict) else p) for p in parts) if text}
+
+
 def _sampled_texts(call: CallRecord) -> list[str]:
     return [t for t in (_text(m.get("content")) for m in _answers(call)) if len(t) >= MIN_LINK_TEXT]
 
@@ -123,12 +139,21 @@ def _facts(call: CallRecord) -> _Facts:
 def place(calls: list[CallRecord]) -> list[Placement]:
     """Every call of one session placed, in call order."""
     ordered = sorted(calls, key=lambda c: c.seq)
-    policy = policy_model(ordered)
     facts = {c.seq: _facts(c) for c in ordered}
+    links = {c.seq: _link(c, ordered[:i], facts) for i, c in enumerate(ordered)}
+    # A branch (a subagent's or compaction's, and what continues it) serves the work it is linked
+    # to, whatever model it asks: Claude Code runs a subagent on the model its Agent call names.
+    # So the policy model is the one the calls outside branches ask for most.
+    branch: dict[int, bool] = {}
+    for seq, (edge, parent, _) in links.items():
+        branch[seq] = edge in ("subagent", "compaction") or (parent is not None and branch.get(parent, False))
+    policy = policy_model([c for c in ordered if not branch[c.seq]])
     placed: dict[int, Placement] = {}
-    for i, call in enumerate(ordered):
-        purpose: Purpose = "train" if call.model == policy else "aux"
-        edge, parent, reason = _link(call, ordered[:i], facts)
+    for call in ordered:
+        edge, parent, reason = links[call.seq]
+        purpose: Purpose = "train" if branch[call.seq] or call.model == policy else "aux"
+        if edge in ("continue", "fork", "retry") and parent in placed:  # a chain keeps its first call's purpose
+            purpose = placed[parent].purpose
         root = placed[parent].root if edge == "continue" and parent in placed else call.seq
         placed[call.seq] = Placement(call.seq, root, parent, edge, reason, purpose, purpose == "train")
     return _resolve_retries(list(placed.values()))
@@ -162,22 +187,22 @@ def _link(call: CallRecord, earlier: list[CallRecord], facts: dict[int, _Facts])
     extended = next((c for c in reversed(earlier) if c.completions and _extends(call, c)), None)
     if extended is not None:
         return "continue", extended.seq, None
-    links: list[tuple[Edge, int]] = []
+    links: list[tuple[Edge, int, str]] = []
     said = conversation(call.request)
-    first_user = next((text for role, text in said if role == "user"), "")
+    first_user = first_user_parts(call.request)
     carried = [text for role, text in said[:3] if role != "assistant"]
     for before in reversed(earlier):
-        if first_user and first_user in facts[before.seq].arguments:
-            links.append(("subagent", before.seq))
+        if served := first_user & facts[before.seq].arguments:
+            links.append(("subagent", before.seq, min(served)))
             break
     for before in reversed(earlier):
-        if any(sampled in text for sampled in facts[before.seq].texts for text in carried):
-            links.append(("compaction", before.seq))
+        if summary := next((t for t in facts[before.seq].texts if any(t in text for text in carried)), None):
+            links.append(("compaction", before.seq, summary))
             break
     if len(links) == 1:
-        return links[0][0], links[0][1], None
+        return links[0]
     if links:
-        return "new", None, "ambiguous: " + " or ".join(f"{edge} of call {seq}" for edge, seq in links)
+        return "new", None, "ambiguous: " + " or ".join(f"{edge} of call {seq}" for edge, seq, _ in links)
     return "new", None, call.thread_start or ("no link to an earlier call" if earlier else "first call of the session")
 
 
@@ -210,6 +235,36 @@ def _resolve_retries(placements: list[Placement]) -> list[Placement]:
             drop.seq, drop.root, drop.parent, drop.edge, drop.reason, drop.purpose, trained=False
         )
     return [by_seq[p.seq] for p in placements]
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A sequence of the graph: its calls (a `continue` chain from its first), how its first call
+    attached (edge, parent call, reason), and the branches whose parent call is one of its calls."""
+
+    first: Placement
+    calls: list[int]
+    children: list[Branch]
+
+
+def branches(placements: list[Placement]) -> list[Branch]:
+    """The session as a tree of sequences: those with no parent at the top, each other under the
+    sequence holding its parent call (a subagent under the call of its Agent tool, a compaction
+    under its summary's, a fork or retry under what it re-sent)."""
+    chains: dict[int, list[int]] = {}
+    for p in placements:
+        chains.setdefault(p.root, []).append(p.seq)
+    root_of = {p.seq: p.root for p in placements}
+    children: dict[int | None, list[int]] = {}
+    for p in placements:
+        if p.root == p.seq:
+            children.setdefault(root_of.get(p.parent) if p.parent is not None else None, []).append(p.seq)
+    by_seq = {p.seq: p for p in placements}
+
+    def grow(root: int) -> Branch:
+        return Branch(by_seq[root], chains[root], [grow(r) for r in children.get(root, [])])
+
+    return [grow(root) for root in children.get(None, [])]
 
 
 def edge_counts(placements: list[Placement]) -> dict[str, int]:

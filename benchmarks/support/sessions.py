@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -190,3 +192,56 @@ def sampled(sequence: TrainingSequence, calls: list[CallRecord]) -> list[int]:
     """The ids its calls sampled, span by span: what `masked_in` must equal."""
     by_seq = {c.seq: c for c in calls}
     return [t for span in sequence.spans for t in by_seq[span.seq].completions[0].token_ids]
+
+
+# Claude Code's own general-purpose subagent, given only Bash and Read and two turns, so that a
+# subagent started under a forced Agent call cannot start one in turn, and ends.
+SUBAGENT = """---
+name: general-purpose
+description: General-purpose agent for researching questions and running commands.
+tools: Bash, Read
+maxTurns: 2
+---
+You are a helpful agent. Do the task you are given with your tools, then answer in one sentence.
+"""
+# A short system prompt and three tools: Claude Code's own prompt is 7,600 of SmolLM2's 8,192
+# tokens, which leaves its compaction call (the whole conversation again) no room.
+CLAUDE_ARGS = ["--model", "claude-sonnet-4-5", "--system-prompt", "You are a coding agent. Use your tools, then answer."]
+
+
+def claude_code_branching(base_url: str, key: str, home: Path, task: str, timeout: float = 600) -> list[str]:
+    """One Claude Code session that branches as real ones do, in three runs of `claude -p` on one
+    proxy session (`key`, whose sampling forces the `Agent` tool where offered): the task, where
+    the main loop starts subagents (2 turns); `/compact`, Claude Code's compaction (Agent is not
+    offered, so the summary is free text); and "Go on." after it, from the summary (1 turn).
+    Returns what each run printed."""
+    project = home / "project"
+    (project / ".claude" / "agents").mkdir(parents=True, exist_ok=True)
+    (project / ".claude" / "agents" / "general-purpose.md").write_text(SUBAGENT)
+    (project / "notes.txt").write_text("remember the milk\n")
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    session = str(uuid.uuid4())
+    runs = [  # and the most each call may sample: a summary cut short fails the compaction
+        ([task, "--session-id", session, "--tools", "Agent,Bash,Read", "--max-turns", "2"], 200),
+        (["/compact Summarize in one short sentence.", "--resume", session, "--tools", "Bash,Read"], 1000),
+        (["Go on.", "--resume", session, "--tools", "Bash,Read", "--max-turns", "1"], 200),
+    ]
+    printed = []
+    for args, most in runs:
+        done = subprocess.run(
+            [str(HARNESS_BIN / "claude"), "-p", *args, *CLAUDE_ARGS],
+            env={**env, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(most)},
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        printed.append(done.stdout + done.stderr)
+    return printed

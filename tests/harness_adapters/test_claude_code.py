@@ -8,11 +8,16 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from benchmarks.support.sessions import HARNESS_BIN
+from benchmarks.claude_code_graph import TASK, wrong_links
+from benchmarks.support.sessions import HARNESS_BIN, claude_code_branching
 from benchmarks.support.stack import Upstream
+from proxy.server import AppThread
+from recorder.graph import place
 from recorder.trajectories import build_sequences
+from trainer.viewer import create_app as viewer_app
 
 # Prompts of 4,500 to 7,600 tokens on 2 CPU cores, and the first test also waits for the shared
 # vLLM to start: Claude Code took 330 s of it on a quiet machine (2026-11-23), so these get 600 s.
@@ -57,3 +62,31 @@ def test_claude_code_runs_through_the_proxy_and_every_call_is_recorded(
     assert done.returncode == 0 or "output token maximum" in done.stdout + done.stderr
     report = build_sequences(calls)
     assert sum(len(s.calls) for s in report.sequences) == len(calls) and not report.skipped
+
+
+def test_claude_code_subagents_and_compaction_are_placed_in_the_session_graph(
+    make_proxy: Any, vllm: Upstream, tmp_path: Path
+) -> None:
+    """Real Claude Code, its Agent tool forced where offered (greedy): the main loop starts a
+    subagent, `/compact` writes a summary, and "Go on." starts from it. The graph links the
+    subagent to the call that sampled its Agent call, and the main loop's second call continues
+    its first (four subagent calls pushed it out of the proxy's threads before); every link,
+    a compaction's too, checks out against what Claude Code sent (benchmarks/claude_code_graph.py
+    checks the same on sampled episodes). The viewer draws the subagent under the main loop."""
+    assert CLAUDE.exists(), "run `make install`: it installs Claude Code into .harnesses/"
+    proxy = make_proxy(vllm.url)
+    sampling = {"tool_choice": "Agent", "temperature": 0}
+    created = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": sampling}).json()
+    printed = claude_code_branching(proxy.url, created["key"], tmp_path, TASK)
+    calls = proxy.calls(created["id"])
+    placed = {p.seq: p for p in place(calls)}
+    edges = [(p.edge, p.parent) for p in placed.values()]
+    assert ("subagent", 1) in edges, (edges, printed)
+    main = [c.seq for c in calls if "Agent" in {t["name"] for t in c.request.get("tools", [])}]
+    assert len(main) >= 2 and (placed[main[1]].edge, placed[main[1]].parent) == ("continue", main[0]), edges
+    # Whether the 135M model ends its summary inside Claude Code's limit is chance (it rambled
+    # past 1,000 tokens in some runs, and /compact failed): a summary that did end must be linked.
+    assert wrong_links(calls, list(placed.values())) == [], (edges, printed)
+    with AppThread(viewer_app(proxy.db, decode=lambda ids: [f"<{i}>" for i in ids])) as viewer:
+        page = httpx.get(f"{viewer.url}/sessions/{created['id']}").text
+    assert '<ul><li><b class="edge">subagent</b> of call <a href="#call-1">1</a>' in page  # nested under call 1's

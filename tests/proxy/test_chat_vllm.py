@@ -324,5 +324,20 @@ def test_a_session_can_force_tool_calls_on_the_calls_that_offer_tools(proxy: Run
     assert plain.choices[0].message.content
     with_tools, without = proxy.calls(created["id"])
     assert with_tools.rewrites["tool_choice"] == [None, "required"] and "tool_choice" not in without.rewrites
-    refused = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"tool_choice": "always"}})
+    refused = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"tool_choice": "two words"}})
     assert refused.status_code == 400 and "tool_choice" in refused.text
+
+
+def test_a_session_can_force_one_named_tool_on_the_calls_that_offer_it(proxy: RunningProxy, vllm: Upstream) -> None:
+    """`sampling.tool_choice: NAME` (Claude Code's Agent tool, to start a subagent): a call that
+    offers that tool calls it; a call offering other tools only (the subagent's) is sent as asked."""
+    created = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": {"tool_choice": "add"}}).json()
+    client = OpenAI(base_url=proxy.v1, api_key=created["key"], max_retries=0)
+    other = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}
+    ask = [{"role": "user", "content": "Say hello."}]
+    for tools in ([other, ADD_TOOL], [other]):
+        client.chat.completions.create(model=vllm.model, messages=ask, tools=tools, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    offered, not_offered = proxy.calls(created["id"])
+    assert offered.rewrites["tool_choice"] == [None, {"type": "function", "function": {"name": "add"}}]
+    assert [c["function"]["name"] for c in offered.response["choices"][0]["message"]["tool_calls"]] == ["add"]  # type: ignore[index]
+    assert "tool_choice" not in not_offered.rewrites

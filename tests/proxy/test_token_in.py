@@ -120,7 +120,8 @@ def test_any_edit_of_a_message_the_model_did_not_sample_starts_a_new_thread(make
     """Only the echo of the model's own answer is compared loosely. An edit of an earlier message
     only in its whitespace, its `name`, its `tool_call_id` or a non-text part was dropped: the call
     continued the thread and the model saw the old tokens. A moved `cache_control` (Claude Code
-    marks its latest turns; no template renders it) still continues."""
+    marks its latest turns; no template renders it) still continues, and so does content of one
+    text part sent again as a string (Claude Code does: vLLM renders the two alike)."""
     proxy = make_proxy(stub)
     tool_call = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
     first = [
@@ -133,6 +134,8 @@ def test_any_edit_of_a_message_the_model_did_not_sample_starts_a_new_thread(make
     edits = {
         "same": lambda m: m,
         "cache_control moved": lambda m: [m[0], {**m[1], "content": [{"type": "text", "text": "hi"}]}, *m[2:]],
+        "one text part as a string": lambda m: [m[0], {**m[1], "content": "hi"}, *m[2:]],
+        "two text parts": lambda m: [m[0], {**m[1], "content": [{"type": "text", "text": t} for t in "hi"]}, *m[2:]],
         "whitespace": lambda m: [{**m[0], "content": "be brief "}, *m[1:]],
         "name": lambda m: [m[0], {**m[1], "name": "alice"}, *m[2:]],
         "tool_call_id": lambda m: [*m[:3], {**m[3], "tool_call_id": "c2"}],
@@ -149,7 +152,7 @@ def test_any_edit_of_a_message_the_model_did_not_sample_starts_a_new_thread(make
             f"{proxy.v1}/chat/completions", json={"model": MODEL, "messages": again}, headers=key
         ).raise_for_status()
         joined[name] = proxy.calls(key["x-api-key"])[-1].token_in
-    assert joined == {name: name in ("same", "cache_control moved") for name in edits}
+    assert joined == {name: name in ("same", "cache_control moved", "one text part as a string") for name in edits}
 
 
 def test_threads_the_cache_cannot_hold_are_read_back(make_proxy: Any, stub: str) -> None:
@@ -196,3 +199,26 @@ def test_a_thread_continues_across_proxies_and_after_a_restart(make_proxy: Any, 
             *before.prompt_token_ids,
             *COMPLETION,
         ]
+
+
+def test_a_long_subagent_leaves_its_parent_thread_to_be_continued(make_proxy: Any, stub: str) -> None:
+    """Claude Code's main loop calls its Agent tool, and the subagent's own conversation takes
+    many calls before the main loop goes on. The subagent's turns, each continuing the one before,
+    must not push the main thread out of the session's threads: the main loop's next call
+    continues it (seen with a real Claude Code, where four subagent calls split the main loop)."""
+    proxy = make_proxy(stub)
+    key = {"x-api-key": "s-subagent"}
+
+    def ask(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {"model": MODEL, "messages": messages}
+        httpx.post(f"{proxy.v1}/chat/completions", json=body, headers=key).raise_for_status()
+        return [*messages, {"role": "assistant", "content": "stub answer"}]
+
+    main = ask([{"role": "user", "content": "Use a subagent to list the files."}])
+    subagent = [{"role": "user", "content": "List the files."}]
+    for turn in range(20):
+        subagent = [*ask(subagent), {"role": "user", "content": f"a.txt {turn}"}]
+    ask([*main, {"role": "user", "content": "The subagent says: a.txt"}])
+    calls = proxy.calls("s-subagent")
+    assert [c.token_in for c in calls] == [False, False, *[True] * 19, True], [c.thread_start for c in calls]
+    assert calls[-1].thread["continues"]["call"] == calls[0].call_id  # type: ignore[index]

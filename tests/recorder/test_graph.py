@@ -11,7 +11,7 @@ import orjson
 
 from benchmarks.support.samples import call
 from recorder import CallRecord, Completion
-from recorder.graph import delivery, edge_counts, place
+from recorder.graph import branches, delivery, edge_counts, place
 from recorder.validation import Grade, check
 
 PROMPT = "Search the repository for the failing test and report its name."
@@ -96,6 +96,31 @@ def test_a_retry_nobody_continued_trains_the_re_send_and_one_continued_keeps_the
     assert [p.trained for p in place(went_on)] == [True, True, False, True]
 
 
+def test_a_claude_code_subagent_on_another_model_is_linked_and_trained() -> None:
+    """As a real Claude Code 2.1.197 sends it: the subagent's first user message holds reminders
+    in parts of their own and then the Agent call's prompt, and the subagent runs on the model
+    that call named (`"model": "opus"`). It is linked by the part, and trained with its chain;
+    a call to that model that nothing links to stays aside."""
+    parts = [{"type": "text", "text": "<system-reminder>\nYou can use these skills.</system-reminder>"}]
+    subagent = node(2, ["p"], model="opus")
+    subagent = replace(subagent, request={"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}]})
+    calls = [
+        node(1, ["a"], "Fix the failing test.", task=PROMPT),
+        subagent,
+        node(3, ["p", "a2", "t2"], continues=2, model="opus"),
+        node(4, ["a", "a1", "r1"], continues=1),
+        node(5, ["z"], "Write a title.", model="opus"),
+    ]
+    got = [(p.edge, p.parent, p.purpose) for p in place(calls)]
+    assert got == [
+        ("new", None, "train"),
+        ("subagent", 1, "train"),
+        ("continue", 2, "train"),
+        ("continue", 1, "train"),
+        ("new", None, "aux"),
+    ]
+
+
 def test_two_links_that_both_fit_join_nothing_and_say_so() -> None:
     """A first message that is both a tool call's argument and an earlier answer's text."""
     calls = [node(1, ["a"], task=SUMMARY), node(2, ["b"], answer=SUMMARY), node(3, ["c"], SUMMARY)]
@@ -134,3 +159,22 @@ def test_capture_grades() -> None:
     assert (warned.grade.level, warned.grade.problems) == ("WARN", ["aux calls sampled 9 tokens, the trained calls 3"])
     edited = check([*clean, node(3, ["q"], "Start again.", why="an earlier message was edited")])
     assert edited.grade == Grade("INFO", ["call 3 starts a sequence: an earlier message was edited"])
+
+
+def test_branches_nest_each_sequence_under_the_one_holding_its_parent_call() -> None:
+    calls = [
+        node(1, ["a"], "Fix the failing test.", task=PROMPT),
+        node(2, ["p"], PROMPT, answer=SUMMARY),
+        node(3, ["p", "a2", "t2"], continues=2),
+        node(4, ["a", "a1", "r1"], continues=1),
+        node(5, ["s"], f"Continuing from: {SUMMARY}"),
+        node(6, ["q"], "Something else."),
+    ]
+
+    def shape(tree: list[Any]) -> list[Any]:
+        return [(b.first.edge, b.calls, shape(b.children)) for b in tree]
+
+    assert shape(branches(place(calls))) == [
+        ("new", [1, 4], [("subagent", [2, 3], [("compaction", [5], [])])]),
+        ("new", [6], []),
+    ]

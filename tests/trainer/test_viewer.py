@@ -146,6 +146,7 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
         assert "episode outcome: the harness ran" in page
         # each call's place in the session graph, and the episode's capture grade
         assert _cells(page, "place")[:1] == ["new"] and 'class="grade-' in page
+        assert '<ul class="graph"><li><b class="edge">new</b>' in page  # its graph: one sequence here
         # s004-s007: rewards 0, 1/3, 2/3, 1, but s006 ended "failed" though its harness ran (its
         # verifier failed): the trainer leaves it out, and the advantages are those of the other three.
         group = get("/groups/g1").text

@@ -1,8 +1,9 @@
 """`rl-proxy ui`: a read-only viewer of a store in the browser. `/` lists runs (with their
 training curves, from the metrics.jsonl files under `--runs`) and sessions (filtered, sorted and
-paged in SQL); `/sessions/{id}` draws every training sequence built from a session token by
-token (prompt and tool tokens apart from sampled ones, each sampled token shaded by its
-behaviour logprob), marks where a thread started and why, and shows each call's request and
+paged in SQL); `/sessions/{id}` draws the session as its graph (recorder/graph.py: sequences,
+the subagents, compactions, forks and retries that branch from them) and every training
+sequence built from its trained calls token by token (prompt and tool tokens apart from sampled
+ones, each sampled token shaded by its behaviour logprob), marks where a thread started and why, and shows each call's request and
 answer as the client's API had them; `/groups/{id}` sets a GRPO group's episodes side by side
 with their rewards and advantages. Server-rendered (Jinja2) with a little JavaScript, nothing
 fetched from elsewhere. Off loopback, or behind a forwarder, it asks for the admin token as the
@@ -34,6 +35,7 @@ from proxy.admin import check_admin
 from proxy.errors import Unauthorized
 from proxy.settings import Settings
 from recorder.errors import StoreError, StoreValueError
+from recorder.graph import branches
 from recorder.store import Store
 from recorder.trajectories import WINDOW, TrainingSequence, build_sequences
 from recorder.validation import check
@@ -241,8 +243,11 @@ def create_app(
         if info is None:
             return PlainTextResponse(f"no session {session_id!r} in this store", 404)
         calls = [c async for c in store.iter_calls(session_id)]
-        report = build_sequences(calls, info, call_rewards=await store.call_rewards(session_id))
         checked = check(calls, info)
+        # what the trainer would train: the calls the graph places to be trained
+        trained = {p.seq for p in checked.placements if p.trained}
+        kept = [c for c in calls if c.seq in trained]
+        report = build_sequences(kept, info, call_rewards=await store.call_rewards(session_id))
         breaks = {b.seq: b for b in report.breaks}
         decode = request.app.state.decode
         sequences = [(q, tokens(q, decode), breaks.get(q.spans[0].seq) if q.spans else None) for q in report.sequences]
@@ -263,6 +268,8 @@ def create_app(
                 "windows": windows,
                 "rewards": await store.rewards(session_id),
                 "graph": {p.seq: p for p in checked.placements},
+                "tree": branches(checked.placements),
+                "sequence_of": {span.seq: i for i, q in enumerate(report.sequences) for span in q.spans},
                 "grade": checked.grade,
                 "as_json": _as_json,
             },
