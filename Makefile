@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install system lock train demo test soak soak-scale lint fmt bench bench-train-step bench-viewer bench-scale serve
+.PHONY: install system lock train demo test soak soak-scale lint fmt bench bench-train-step bench-viewer bench-scale claude-graph serve
 
 install: $(STAMP)
 
@@ -116,3 +116,8 @@ bench-viewer: install
 # Full fine-tuning vs LoRA vs two processes (step time, memory), and adapter load vs full reload.
 bench-scale: install
 	$(PY) -m benchmarks.bench_scale
+
+# Real Claude Code sessions with subagents and a compaction, placed by the session graph: calls
+# by edge, delivered_fraction beside one chain per episode, every link checked (about 10 minutes).
+claude-graph: install
+	$(PY) -m benchmarks.claude_code_graph --episodes 3

@@ -104,7 +104,11 @@ def first_user_parts(request: dict[str, Any]) -> set[str]:
     items = request.get("messages") or request.get("input") or []
     if isinstance(items, str):
         return {items.strip()}
-    first = next((m for m in items if isinstance(m, dict) and m.get("role") == "user"), {}) if isinstance(items, list) else {}
+    first = (
+        next((m for m in items if isinstance(m, dict) and m.get("role") == "user"), {})
+        if isinstance(items, list)
+        else {}
+    )
     content = first.get("content")
     parts = content if isinstance(content, list) else [content]
     return {text for text in (_text(p.get("text") if isinstance(p, dict) else p) for p in parts) if text}

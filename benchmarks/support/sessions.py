@@ -206,7 +206,12 @@ You are a helpful agent. Do the task you are given with your tools, then answer 
 """
 # A short system prompt and three tools: Claude Code's own prompt is 7,600 of SmolLM2's 8,192
 # tokens, which leaves its compaction call (the whole conversation again) no room.
-CLAUDE_ARGS = ["--model", "claude-sonnet-4-5", "--system-prompt", "You are a coding agent. Use your tools, then answer."]
+CLAUDE_ARGS = [
+    "--model",
+    "claude-sonnet-4-5",
+    "--system-prompt",
+    "You are a coding agent. Use your tools, then answer.",
+]
 
 
 def claude_code_branching(base_url: str, key: str, home: Path, task: str, timeout: float = 600) -> list[str]:

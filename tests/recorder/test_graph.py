@@ -103,7 +103,9 @@ def test_a_claude_code_subagent_on_another_model_is_linked_and_trained() -> None
     a call to that model that nothing links to stays aside."""
     parts = [{"type": "text", "text": "<system-reminder>\nYou can use these skills.</system-reminder>"}]
     subagent = node(2, ["p"], model="opus")
-    subagent = replace(subagent, request={"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}]})
+    subagent = replace(
+        subagent, request={"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}]}
+    )
     calls = [
         node(1, ["a"], "Fix the failing test.", task=PROMPT),
         subagent,

@@ -1,13 +1,14 @@
 """`rl-proxy ui`: a read-only viewer of a store in the browser. `/` lists runs (with their
-training curves, from the metrics.jsonl files under `--runs`) and sessions (filtered, sorted and
-paged in SQL); `/sessions/{id}` draws the session as its graph (recorder/graph.py: sequences,
-the subagents, compactions, forks and retries that branch from them) and every training
-sequence built from its trained calls token by token (prompt and tool tokens apart from sampled
-ones, each sampled token shaded by its behaviour logprob), marks where a thread started and why, and shows each call's request and
-answer as the client's API had them; `/groups/{id}` sets a GRPO group's episodes side by side
-with their rewards and advantages. Server-rendered (Jinja2) with a little JavaScript, nothing
-fetched from elsewhere. Off loopback, or behind a forwarder, it asks for the admin token as the
-proxy's admin API does (a browser sends it as the password of basic auth).
+training curves, from the metrics.jsonl files under `--runs`) and sessions (filtered, sorted
+and paged in SQL); `/sessions/{id}` draws the session as its graph (recorder/graph.py:
+sequences, the subagents, compactions, forks and retries that branch from them) and every
+training sequence built from its trained calls token by token (prompt and tool tokens apart
+from sampled ones, each sampled token shaded by its behaviour logprob), marks where a thread
+started and why, and shows each call's request and answer as the client's API had them;
+`/groups/{id}` sets a GRPO group's episodes side by side with their rewards and advantages.
+Server-rendered (Jinja2) with a little JavaScript, nothing fetched from elsewhere. Off
+loopback, or behind a forwarder, it asks for the admin token as the proxy's admin API does (a
+browser sends it as the password of basic auth).
 
 It sits in the trainer package because it shows what the trainer trains on: a group's rewards
 and advantages are those the trainer stored when it took the group, or, before that, what the
