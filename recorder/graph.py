@@ -20,7 +20,9 @@ alone (so it works on any store, whatever proxy served the calls):
 
 Each call also gets a purpose: `aux` for a call to another model than the session's policy
 model (the model most of its calls outside branches ask for) that nothing links to the work
-(a harness's small fast model writing titles or checking topics), else `train`. A subagent's
+(a harness's small fast model writing titles or checking topics), or for a lone conversation
+without tools in a session whose calls offer them, that no call continues or starts from (Claude
+Code 2.1.197 writes a session's title so, on the main model), else `train`. A subagent's
 or compaction's branch is `train` whatever model it asks (Claude Code runs a subagent on the
 model its Agent call names), and a chain keeps its first call's purpose. `aux` calls are
 placed and exported, never trained by default.
@@ -152,10 +154,16 @@ def place(calls: list[CallRecord]) -> list[Placement]:
     for seq, (edge, parent, _) in links.items():
         branch[seq] = edge in ("subagent", "compaction") or (parent is not None and branch.get(parent, False))
     policy = policy_model([c for c in ordered if not branch[c.seq]])
+    # A side call on the policy model itself (Claude Code's title, written before its main loop):
+    # a lone conversation without tools in a session whose other calls offer them, that no call
+    # continues or starts from.
+    parents = {parent for _, parent, _ in links.values()}
+    with_tools = any(c.request.get("tools") for c in ordered)
     placed: dict[int, Placement] = {}
     for call in ordered:
         edge, parent, reason = links[call.seq]
-        purpose: Purpose = "train" if branch[call.seq] or call.model == policy else "aux"
+        aside = edge == "new" and with_tools and not call.request.get("tools") and call.seq not in parents
+        purpose: Purpose = "train" if branch[call.seq] or (call.model == policy and not aside) else "aux"
         if edge in ("continue", "fork", "retry") and parent in placed:  # a chain keeps its first call's purpose
             purpose = placed[parent].purpose
         root = placed[parent].root if edge == "continue" and parent in placed else call.seq

@@ -214,6 +214,7 @@ class GroupReader:
             "defaults": {k: v for k, v in (defaults or {}).items() if k in NEUTRAL_SAMPLING},
             "allow_truncated_sampling": self.cfg.allow_truncated_sampling,
             "max_staleness": self.cfg.max_staleness,
+            "min_calls": self.cfg.min_calls,
         }
         self.failing = 0  # groups in a row without one scored episode
         self.refused: str | None = None  # why the last episode refused for its sampling settings was
@@ -358,8 +359,11 @@ async def would_train(
     scored: list[tuple[SessionInfo, float | None, Why]] = []
     for s in sessions:
         episode = s.training_reward(rule)
-        if episode.value is not None and sampling_refused([c async for c in store.iter_calls(s.id)], settings):
+        calls = [c async for c in store.iter_calls(s.id)] if episode.value is not None else []
+        if episode.value is not None and sampling_refused(calls, settings):
             episode = EpisodeReward(None, "sampling")
+        elif episode.value is not None and check(calls, s, settings.get("min_calls", 1)).grade.level == "FATAL":
+            episode = EpisodeReward(None, "capture")
         scored.append((s, episode.value, episode.why))
     values = group_advantages([reward for _, reward, _ in scored], rule) or [None] * len(scored)
     return GroupView([(s, reward, a, why) for (s, reward, why), a in zip(scored, values, strict=True)], None, rule)

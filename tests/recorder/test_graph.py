@@ -123,6 +123,16 @@ def test_a_claude_code_subagent_on_another_model_is_linked_and_trained() -> None
     ]
 
 
+def test_a_lone_call_without_tools_in_a_session_with_tools_is_aux() -> None:
+    """Claude Code 2.1.197 first asks the main model for a title, without tools; a summary
+    without tools that a later conversation starts from is trained."""
+    title = replace(node(1, ["t"], "Write the title for: Say hello.", answer="Hello"), request={"messages": []})
+    calls = [title, *(replace(c, request={**c.request, "tools": [{"name": "Bash"}]}) for c in (node(2, ["a"]),))]
+    summary = replace(node(3, ["b"], "Summarize.", answer=SUMMARY), request={"messages": []})
+    calls += [summary, node(4, ["s"], f"This session continues from an earlier one. {SUMMARY}")]
+    assert [p.purpose for p in place(calls)] == ["aux", "train", "train", "train"]
+
+
 def test_two_links_that_both_fit_join_nothing_and_say_so() -> None:
     """A first message that is both a tool call's argument and an earlier answer's text."""
     calls = [node(1, ["a"], task=SUMMARY), node(2, ["b"], answer=SUMMARY), node(3, ["c"], SUMMARY)]

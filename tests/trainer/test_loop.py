@@ -17,7 +17,7 @@ from harness_adapters.config import PythonHarness
 from recorder import CallRecord, Completion, SessionInfo, Store
 from recorder.episodes import EpisodeOutcome
 from trainer.config import TrainConfig, TrainSection
-from trainer.groups import GroupReader, LoopState, TrainError, reward_rule
+from trainer.groups import GroupReader, LoopState, TrainError, reward_rule, would_train
 
 T0 = datetime(2026, 1, 1)
 
@@ -527,16 +527,19 @@ def test_aux_calls_are_not_trained_and_a_fatal_capture_leaves_its_episode_out(tm
             finished_at=T0,
         )
 
-    async def main() -> tuple[Any, LoopState]:
+    async def main() -> tuple[Any, LoopState, Any]:
         async with Store(str(tmp_path / "s.db")) as store:
             for n, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
                 await _episode(store, "g", n, "1", reward)
             await store.record(extra("g-0", "small-fast", [-0.1, -0.2]))  # aux: left out
             await store.record(extra("g-1", "m", []))  # no logprobs: FATAL
             loop = _loop(tmp_path, store, LoopState(step=1, version=1))
-            return await loop.prepare("g"), loop.state
+            # the viewer, before the trainer took the group, tells the same
+            shown = await would_train(store, await store.list_sessions(group_id="g"), loop.rule, loop.settings)
+            return await loop.prepare("g"), loop.state, shown
 
-    prepared, state = asyncio.run(main())
+    prepared, state, shown = asyncio.run(main())
+    assert [why for _, _, _, why in shown.episodes] == ["", "capture", "", ""]
     assert prepared is not None
     samples, rewards, _ = prepared
     assert rewards == [1.0, 1.0, 0.0] and state.capture_fatal == 1
