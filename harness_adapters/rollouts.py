@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,30 +24,76 @@ from recorder.episodes import RewardRule
 
 
 @dataclass
+class Curriculum:
+    """Tasks sampled by how likely a group of theirs is to hold both a success and a failure
+    (what GRPO learns from; DAPO's dynamic sampling and prime-rl's online difficulty filter
+    spend rollouts alike): with a pass rate p from the task's recent episodes (Laplace's rule, so
+    an untried task counts as 1/2), a group of k episodes has both with 1 - p^k - (1 - p)^k. No
+    task falls below `floor`, so a task that never succeeds yet is still tried now and then."""
+
+    episodes_per_task: int
+    success_at: float
+    floor: float = 0.05
+    window: int = 32  # the recent episodes a pass rate counts
+    outcomes: dict[str, deque[bool]] = field(default_factory=dict)
+
+    def record(self, task: str, success: bool) -> None:
+        self.outcomes.setdefault(task, deque(maxlen=self.window)).append(success)
+
+    def weight(self, task: str) -> float:
+        seen = self.outcomes.get(task, ())
+        p = (sum(seen) + 1) / (len(seen) + 2)
+        k = self.episodes_per_task
+        return max(self.floor, 1 - p**k - (1 - p) ** k)
+
+    def pick(self, tasks: list[Task]) -> Task:
+        return random.choices(tasks, weights=[self.weight(t.id) for t in tasks])[0]
+
+
+@dataclass
 class Rollouts:
     runner: EpisodeRunner
     tasks: list[Task]
     episodes_per_task: int
     limit: asyncio.Semaphore  # episodes running at once (evaluation shares it)
     rule: RewardRule = field(default_factory=RewardRule)  # the run's: failures' score, advantages
+    curriculum: Curriculum | None = None  # None: every task once, in a random order, then again
     rewards: list[float] = field(default_factory=list)  # every trained episode's, in the order they finished
+    groups_made: int = 0
+    signal_groups: int = 0  # groups whose rewards differ: GRPO learns from these only
+    started: float | None = None  # when the first group started (time.monotonic)
     _order: list[Task] = field(default_factory=list)
 
     async def group(self, admin: AdminClient, task: Task) -> str:
         """One GRPO group of episodes; its group id."""
         group = f"{self.runner.run}/{task.id}/{uuid.uuid4().hex[:8]}"
+        self.started = self.started or time.monotonic()
+        rewards: list[float] = []
 
         async def one(n: int) -> None:
             async with self.limit:
                 result = await self.runner.episode(admin, task, n, group)
             reward = result.session.training_reward(self.rule).value
             if reward is not None:
+                rewards.append(reward)
                 self.rewards.append(reward)
+                if self.curriculum is not None:
+                    self.curriculum.record(task.id, result.success(self.curriculum.success_at))
 
         await asyncio.gather(*(one(n) for n in range(self.episodes_per_task)))
+        self.groups_made += 1
+        self.signal_groups += len(set(rewards)) > 1
         return group
 
+    def signal_per_minute(self) -> float | None:
+        """Groups with a signal per minute since the first group started."""
+        if self.started is None:
+            return None
+        return self.signal_groups / max((time.monotonic() - self.started) / 60, 1e-9)
+
     def next_task(self) -> Task:
+        if self.curriculum is not None:
+            return self.curriculum.pick(self.tasks)
         if not self._order:  # every task once, in a new random order, then again
             self._order = random.sample(self.tasks, len(self.tasks))
         return self._order.pop()

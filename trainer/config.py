@@ -91,6 +91,10 @@ class TrainSection(Strict):
     sync_every: int = Field(1, ge=1)
     baseline: Literal["mean", "leave_one_out"] = "mean"
     failure_reward: float = Field(0.0, description="the reward of an episode whose harness crashed or timed out")
+    curriculum: bool = Field(
+        False,
+        description="sample tasks by their chance of a group with both a success and a failure (recent pass rate)",
+    )
     min_calls: int = Field(
         1, ge=1, description="fewer calls than this in an episode is a FATAL capture (a harness expected to loop)"
     )

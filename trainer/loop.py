@@ -334,6 +334,9 @@ class TrainLoop:
             "dropped_infra": self.state.dropped_infra,
             "refused_sampling": self.state.refused_sampling,
             "capture_fatal": self.state.capture_fatal,
+            "signal_groups": self.rollouts.signal_groups,  # made by this process, of groups_made
+            "groups_made": self.rollouts.groups_made,
+            "signal_groups_per_min": self.rollouts.signal_per_minute(),
             "wait_s": waited,
             "train_s": trained,
             "swap_pause_s": paused,

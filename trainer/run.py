@@ -18,7 +18,7 @@ import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness_adapters.collect import proxy_for
-from harness_adapters.rollouts import Rollouts
+from harness_adapters.rollouts import Curriculum, Rollouts
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
 from proxy.model import resolve_model
@@ -205,7 +205,10 @@ def _lead(
                 eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None
                 rule = reward_rule(config.train, learner.args.scale_rewards)
                 limit = asyncio.Semaphore(config.concurrency)
-                rollouts = Rollouts(runner, tasks, config.episodes_per_task, limit, rule)
+                curriculum = None
+                if config.train.curriculum:
+                    curriculum = Curriculum(config.episodes_per_task, config.success_at)
+                rollouts = Rollouts(runner, tasks, config.episodes_per_task, limit, rule, curriculum)
                 loop = TrainLoop(config, learner, rollouts, store, roots, base, min(names), state, sync)
                 loop.writers = _writers(config)
                 async with runner.admin() as admin:

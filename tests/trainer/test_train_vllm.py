@@ -69,8 +69,11 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     with pytest.raises(TrainError, match="--resume"):
         train(_config(tmp_path, vllm.url, steps=2), progress=False)
 
-    # Resumed in async mode (the first ran sync; auto picks sync on CPU): both paths run.
-    second = train(_config(tmp_path, vllm.url, steps=3, checkpoint_every=2, mode="async"), resume=True, progress=False)
+    # Resumed in async mode (the first ran sync; auto picks sync on CPU): both paths run; and its
+    # tasks are sampled by the curriculum (harness_adapters/rollouts.py Curriculum).
+    resumed_config = _config(tmp_path, vllm.url, steps=3, checkpoint_every=2, mode="async")
+    resumed_config.train.curriculum = True
+    second = train(resumed_config, resume=True, progress=False)
     assert (second.state.step, second.state.version, second.mode, first.mode) == (3, 3, "async", "sync")
     # Version 2 (step 2) went to vLLM as weights alone; step 3 (the last) is a checkpoint again,
     # and the two newest versions are kept.
@@ -85,6 +88,9 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "3"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "reward" in r] == [1, 2, 3]
+    # groups with a signal (rewards that differ), of those this process made, and per minute
+    made = [(r["signal_groups"], r["groups_made"], r["signal_groups_per_min"]) for r in steps if "reward" in r]
+    assert all(0 <= signal <= groups and groups >= 1 and per_min >= 0 for signal, groups, per_min in made), made
     assert (out / "training.png").stat().st_size > 0
 
     # The second run's episodes were sampled by the resumed weights (version 1), then version 2.
