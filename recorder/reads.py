@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from recorder.episodes import EpisodeOutcome, RewardRule, Sampling, SessionStatus
 from recorder.errors import store_error, translated
-from recorder.records import CallRecord, Completion, SessionInfo, ThreadRecord
-from recorder.schema import CallRow, CompletionRow, GroupRow, RewardRow, RunRow, SessionRow
+from recorder.records import CallRecord, Completion, LearnerView, SessionInfo, ThreadRecord
+from recorder.schema import CallRow, CompletionRow, GroupRow, LearnerViewRow, RewardRow, RunRow, SessionRow
 
 log = logging.getLogger("rl_proxy.recorder")
 
@@ -217,6 +217,17 @@ class Reads:
         )
         async with self.engine.connect() as conn:
             return {seq: float(value) for seq, value in (await conn.execute(query)).all() if seq is not None}
+
+    @translated
+    async def learner_views(self, session_id: str) -> dict[int, tuple[int, LearnerView]]:
+        """The latest learner view of each sequence of a session: {first call: (step, view)}."""
+        v = LearnerViewRow
+        query = select(v.first_seq, v.step, v.advantage, v.logprobs).where(v.session_id == session_id).order_by(v.id)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return {
+            first: (step, LearnerView(session_id, first, advantage, list(lps))) for first, step, advantage, lps in rows
+        }
 
     @translated
     async def stored_response(self, session_id: str, response_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:

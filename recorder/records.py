@@ -123,3 +123,14 @@ class ThreadRecord:
     prompt_token_ids: list[int]
     sampled: list[list[int]]
     thread: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LearnerView:
+    """What the learner saw of one training sequence in a step: its logprob of each trained token
+    (in order; the behaviour logprobs are the calls' own) and the sequence's advantage."""
+
+    session_id: str
+    first_seq: int  # the sequence's first call
+    advantage: float
+    logprobs: list[float]

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run, or, where SQL cannot
 # say it (hashing), a function given the connection.
@@ -53,6 +53,7 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
         lambda conn: _episode_columns(conn),
     ],
     8: ["ALTER TABLE calls ADD COLUMN thread JSON"],  # token-in's state, for other proxies and restarts
+    9: [],  # learner_views: a new table, made by create_all
 }
 
 
@@ -251,3 +252,19 @@ def sync_url(url: str) -> str:
 def shown_url(url: str) -> str:
     """A database URL as it may be printed: its password masked."""
     return make_url(url).render_as_string(hide_password=True) if "://" in url else url
+
+
+class LearnerViewRow(Base):
+    """What the learner saw of one training sequence in one step (a sample of each step's): its
+    logprob of each trained token, beside the behaviour logprob the call recorded, and the
+    advantage the sequence was pushed with. The viewer overlays them on the sequence's tokens."""
+
+    __tablename__ = "learner_views"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run: Mapped[str | None] = mapped_column(String(256))
+    step: Mapped[int]  # the optimizer step that trained it
+    session_id: Mapped[str] = mapped_column(String(256), index=True)
+    first_seq: Mapped[int]  # the sequence's first call
+    advantage: Mapped[float]
+    logprobs: Mapped[list[float]] = mapped_column(PackedFloats)  # one per trained token, in order
+    created_at: Mapped[datetime]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,14 @@ from recorder.caches import ByteLRU
 from recorder.episodes import EpisodeOutcome, RewardRule, SessionStatus
 from recorder.errors import SchemaMismatch, SessionConflict, store_error, translated
 from recorder.reads import Reads, session_info
-from recorder.records import CallRecord, SessionInfo
+from recorder.records import CallRecord, LearnerView, SessionInfo
 from recorder.schema import (
     MIGRATIONS,
     SCHEMA_VERSION,
     Base,
     CallRow,
     GroupRow,
+    LearnerViewRow,
     RewardRow,
     RunRow,
     SchemaVersionRow,
@@ -322,6 +323,18 @@ class Store(Reads):
         def save(conn: Connection) -> None:
             if conn.execute(update(RunRow).where(RunRow.id == run).values(values)).rowcount == 0:
                 conn.execute(insert(RunRow).values(id=run, **values))
+
+        await self.submit(save)
+
+    @translated
+    async def save_learner_views(self, run: str | None, step: int, views: list[LearnerView]) -> None:
+        """What the learner saw of a sample of a step's sequences (LearnerView each)."""
+        now = utcnow()
+        rows = [{"run": run, "step": step, **asdict(view), "created_at": now} for view in views]
+
+        def save(conn: Connection) -> None:
+            if rows:
+                conn.execute(insert(LearnerViewRow), rows)
 
         await self.submit(save)
 

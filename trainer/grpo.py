@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from recorder.records import LearnerView
 from recorder.trajectories import TrainingSequence
 from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_logps
 from trainer.sharding import average_gradients, full_norm, full_states, load_full_optimizer, save_full, shard
@@ -54,6 +55,7 @@ class Sample:
         return self.sequence.loss_mask.index(1)
 
 
+VIEWS_PER_STEP = 4  # sequences a step keeps the learner's logprobs of (LearnerView)
 ROW_MEANS = ("grpo", "sapo")  # loss types that average each row's token mean (the others sum or average tokens)
 
 
@@ -152,6 +154,7 @@ class Learner:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged"), 0.0)  # a step's, see `step`
         self._computed: list[Any] = []  # the policy's logprobs of the micro-batch in `loss`
+        self.views: list[LearnerView] = []  # what the last step saw of a few of its sequences
         # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
         # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
         self.shared_prefix = True
@@ -315,6 +318,7 @@ class Learner:
         # averaged (grpo, sapo, dr_grpo, luspo), the mean is over episodes. Token sums and means
         # count each sampled token once already, however an episode is cut into rows.
         episodes = Counter(s.sequence.session_id for s in samples)
+        advantages = {id(s.sequence): s.advantage for s in samples}  # the episodes', for the views
         if self.args.loss_type in ROW_MEANS:
             samples = [replace(s, advantage=s.advantage / episodes[s.sequence.session_id]) for s in samples]
         ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
@@ -336,7 +340,21 @@ class Learner:
                 weight = count * float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
             else:  # a mean over the part's rows (fillers add 0 to it), made a mean over episodes
                 weight = count * len(part) / len(episodes)
-            yield self.loss(batch, count // self.world) * weight
+            loss = self.loss(batch, count // self.world) * weight
+            self._view(part, batch, advantages)
+            yield loss
+
+    def _view(self, part: list[Sample], batch: dict[str, Any], advantages: dict[int, float]) -> None:
+        """Keep the learner's logprobs of the trained tokens of the step's first VIEWS_PER_STEP
+        sequences (rank 0's), for the viewer to set beside the behaviour ones."""
+        if self.rank != 0 or len(self.views) >= VIEWS_PER_STEP:
+            return
+        mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
+        for sample, logps, keep in zip(part, self._computed[0], mask, strict=False):
+            if not sample.filler and len(self.views) < VIEWS_PER_STEP:
+                trained = [float(x) for x in logps[keep].float().cpu()]
+                seq = sample.sequence
+                self.views.append(LearnerView(seq.session_id, seq.spans[0].seq, advantages[id(seq)], trained))
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on these samples (in micro-batches); TRL's metrics for it. With
@@ -387,6 +405,7 @@ class Learner:
         trl._metrics["train"].clear()
         total = 0.0
         self._sums = dict.fromkeys(self._sums, 0.0)
+        self.views = []
         for loss in self.part_losses(samples):
             trl.accelerator.backward(loss)
             total += float(loss.detach())

@@ -306,6 +306,7 @@ class TrainLoop:
         batch = await self.batch(admin)
         waited = time.monotonic() - start
         metrics = await self.in_learner(self.learner.step, batch.samples)
+        await self.groups.store.save_learner_views(self.config.run, self.state.step + 1, self.learner.views)
         trained = time.monotonic() - start - waited
         tokens = sum(s.sequence.sampled_tokens for s in batch.samples)
         processed = sum(len(s.sequence.input_ids) for s in batch.samples)

@@ -428,3 +428,28 @@ def test_an_episode_cut_into_three_sequences_weighs_what_it_weighs_as_one(
     torch.testing.assert_close(three, one, rtol=1e-4, atol=1e-6)
     for a, b in zip(three_grads, one_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_a_step_keeps_the_learner_logprobs_of_its_first_sequences_trained_tokens(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """What the viewer overlays (LearnerView): for the step's first sequences, the learner's
+    logprob of each trained token (before the step's update, tool tokens left out), beside the
+    advantage it pushed the sequence with (the episode's, not its 1/K share)."""
+    samples = _batch()
+    learner = Learner(str(tiny_model), tmp_path, {"temperature": 0.9}, total_steps=1, micro_batch=3)
+    expected = {}
+    with torch.no_grad():
+        for sample in samples:
+            seq = sample.sequence
+            ids = torch.tensor(seq.input_ids)
+            logits = learner.model(ids[None]).logits[0, :-1].float() / 0.9
+            logp = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
+            trained = [float(logp[i - 1]) for i, m in enumerate(seq.loss_mask) if m]
+            expected[seq.session_id] = (sample.advantage, trained)
+    learner.step(samples)
+    assert len(learner.views) == 4
+    for view in learner.views:
+        advantage, trained = expected[view.session_id]
+        assert view.first_seq == 0 and view.advantage == advantage
+        assert view.logprobs == pytest.approx(trained, abs=1e-4)

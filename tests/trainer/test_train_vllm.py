@@ -99,6 +99,11 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     resumed = [s.id for s in sessions if s.group_id in new_groups]
     calls = read_store(str(out / "rl-proxy.db"), lambda s: _calls(s, resumed))
     assert calls and "1" in {c.policy_version for c in calls} <= {"1", "2"}
+    # each step stored what the learner saw of its first sequences, for the viewer's overlays
+    trained = [s.id for s in sessions if s.group_id in set(second.state.consumed)]
+    views = [read_store(str(out / "rl-proxy.db"), lambda s, i=i: s.learner_views(i)) for i in trained]
+    seen = [v for found in views for _, v in found.values()]
+    assert seen and all(v.logprobs and all(lp <= 0 for lp in v.logprobs) for v in seen)
 
     # The viewer shows each group as the trainer took it; and the one rule, with the settings the
     # run stored, gives the same advantages again (for groups where nothing was too stale: that

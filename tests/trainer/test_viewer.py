@@ -21,6 +21,7 @@ from benchmarks.support.stack import RunningProxy, Upstream
 from proxy.server import AppThread
 from recorder import CallRecord, Completion, SessionInfo, Store
 from recorder.episodes import EpisodeOutcome
+from recorder.records import LearnerView
 from recorder.trajectories import build_sequences
 from trainer.viewer import PAGE, create_app, token_decoder
 
@@ -115,6 +116,9 @@ def _store_of_many(db: str, n: int) -> None:
                 )
                 await store.add_reward(f"s{i:03d}", (i % 4) / 3, "verifier")
                 await store.end_session(f"s{i:03d}", "ok" if i % 3 else "failed", EpisodeOutcome(harness="ok"))
+            # what the learner saw of s005's sequence at steps 1 and 2: the viewer shows the latest
+            for step, lps in ((1, [-0.5, -0.5]), (2, [-0.25, -1.5])):
+                await store.save_learner_views("run-1", step, [LearnerView("s005", 1, 0.75, lps)])
 
     asyncio.run(fill())
 
@@ -147,6 +151,11 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
         # each call's place in the session graph, and the episode's capture grade
         assert _cells(page, "place")[:1] == ["new"] and 'class="grade-' in page
         assert '<ul class="graph"><li><b class="edge">new</b>' in page  # its graph: one sequence here
+        # the learner's logprobs beside the behaviour ones (-0.1 and -2.0), and the advantage
+        assert 'data-l="-0.1000" data-v="0" data-c="1" data-q="-0.2500"' in page and "--m:0.150" in page
+        assert 'data-l="-2.0000" data-v="0" data-c="1" data-q="-1.5000"' in page and "--m:0.500" in page
+        assert "the learner saw it at step 2, advantage 0.750" in page and "--ah:120; --as:0.750" in page
+        assert 'data-q="' not in get("/sessions/s006").text
         # s004-s007: rewards 0, 1/3, 2/3, 1, but s006 ended "failed" though its harness ran (its
         # verifier failed): the trainer leaves it out, and the advantages are those of the other three.
         group = get("/groups/g1").text

@@ -68,14 +68,18 @@ def token_decoder(model: str) -> Decode:
     return decode
 
 
-def tokens(sequence: TrainingSequence, decode: Decode) -> list[tuple[int, str, bool, float, str, int]]:
-    """(id, text, sampled, behaviour logprob, policy version, call) of every token of a sequence."""
+def tokens(
+    sequence: TrainingSequence, decode: Decode, learner: list[float] | None = None
+) -> list[tuple[int, str, bool, float, str, int, float | None]]:
+    """(id, text, sampled, behaviour logprob, policy version, call, learner logprob) of every
+    token of a sequence; the learner's (a LearnerView's, one per trained token) where stored."""
     span_of: dict[int, tuple[str, int]] = {}
     for span in sequence.spans:
         for i in range(span.start, span.end):
             span_of[i] = (span.version or "-", span.seq)
+    seen = iter(learner or [])
     return [
-        (token, text, bool(mask), logprob, *span_of.get(i, ("", 0)))
+        (token, text, bool(mask), logprob, *span_of.get(i, ("", 0)), next(seen, None) if mask else None)
         for i, (token, text, mask, logprob) in enumerate(
             zip(sequence.input_ids, decode(sequence.input_ids), sequence.loss_mask, sequence.logprobs, strict=True)
         )
@@ -251,7 +255,16 @@ def create_app(
         report = build_sequences(kept, info, call_rewards=await store.call_rewards(session_id))
         breaks = {b.seq: b for b in report.breaks}
         decode = request.app.state.decode
-        sequences = [(q, tokens(q, decode), breaks.get(q.spans[0].seq) if q.spans else None) for q in report.sequences]
+        views = await store.learner_views(session_id)
+        sequences = [
+            (
+                q,
+                tokens(q, decode, views[q.spans[0].seq][1].logprobs if q.spans and q.spans[0].seq in views else None),
+                breaks.get(q.spans[0].seq) if q.spans else None,
+                views.get(q.spans[0].seq) if q.spans else None,
+            )
+            for q in report.sequences
+        ]
         # Each side's window, and where in it the two first differ.
         windows = {
             b.seq: (decode(b.expected), decode(b.found), min(b.at or 0, WINDOW))
