@@ -9,8 +9,9 @@ rule) would deliver, and whether every link is right, checked against what Claud
 
 - a `subagent` edge: its parent sampled an Agent call whose `prompt` is a text part of the
   child's first user message;
-- a `compaction` edge: the child starts "This session is being continued from a previous
-  conversation", and its parent is the call Claude Code made for `/compact`;
+- a `compaction` edge: the child says "This session is being continued from a previous
+  conversation", and its parent is the call Claude Code made for `/compact` (or a call of its
+  chain, when Claude Code had the summary go on past the output limit);
 - no call starts unlinked where Claude Code sent a subagent or a post-compaction call whose
   link the records hold (prompts under 24 characters are not linked, by design).
 
@@ -60,15 +61,18 @@ def is_compaction_call(call: CallRecord) -> bool:
 def wrong_links(calls: list[CallRecord], placements: list[Placement]) -> list[str]:
     """Each link the graph made or missed against what Claude Code sent, in words (none: all right)."""
     by_seq = {c.seq: c for c in calls}
+    placed = {p.seq: p for p in placements}
     wrong = []
     for p in placements:
         call = by_seq[p.seq]
         parts = first_user_parts(call.request)
-        starts_resumed = any(part.startswith(RESUMED) for part in parts)
+        starts_resumed = any(RESUMED in part for part in parts)
         served = [c.seq for c in calls if c.seq < p.seq and agent_prompts(c) & parts]
         if p.edge == "subagent" and (p.parent is None or not agent_prompts(by_seq[p.parent]) & parts):
             wrong.append(f"call {p.seq}: subagent of {p.parent}, which sampled no Agent call with its prompt")
-        if p.edge == "compaction" and not (starts_resumed and is_compaction_call(by_seq[p.parent or 0])):
+        # the summary call, or the last of its chain when Claude Code made it go on past the output limit
+        summary = placed[p.parent].root if p.parent in placed else None
+        if p.edge == "compaction" and not (starts_resumed and summary and is_compaction_call(by_seq[summary])):
             wrong.append(f"call {p.seq}: compaction of {p.parent}, not a resumed conversation of a /compact call")
         if p.edge == "new" and starts_resumed and any(is_compaction_call(c) and c.ok for c in calls if c.seq < p.seq):
             wrong.append(f"call {p.seq}: starts from a summary, placed new ({p.reason})")

@@ -14,7 +14,7 @@ alone (so it works on any store, whatever proxy served the calls):
   argument of a tool call sampled earlier in the session (Claude Code's Agent tool and its
   like): linked to that call.
 - `compaction`: a new conversation whose first messages carry an answer sampled earlier (the
-  summary), linked to the call that sampled it.
+  summary; not one the model copied from its own prompt), linked to the call that sampled it.
 - `new`: none of these, with the reason; "ambiguous" when more than one link fits (a graph
   never joins wrongly).
 
@@ -117,7 +117,12 @@ def first_user_parts(request: dict[str, Any]) -> set[str]:
 
 
 def _sampled_texts(call: CallRecord) -> list[str]:
-    return [t for t in (_text(m.get("content")) for m in _answers(call)) if len(t) >= MIN_LINK_TEXT]
+    """What the call wrote that could be a summary: its answers' texts, but none it copied from its
+    own prompt (SmolLM2 in Claude Code repeated "Today's date is ...", which every later
+    conversation's reminders carry)."""
+    prompt = "\n".join(text for _, text in conversation(call.request))
+    texts = (_text(m.get("content")) for m in _answers(call))
+    return [t for t in texts if len(t) >= MIN_LINK_TEXT and t not in prompt]
 
 
 def policy_model(calls: list[CallRecord]) -> str | None:

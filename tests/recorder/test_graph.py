@@ -190,3 +190,18 @@ def test_branches_nest_each_sequence_under_the_one_holding_its_parent_call() -> 
         ("new", [1, 4], [("subagent", [2, 3], [("compaction", [5], [])])]),
         ("new", [6], []),
     ]
+
+
+def test_a_text_the_model_copied_from_its_prompt_is_no_summary() -> None:
+    """SmolLM2 in Claude Code answered with "Today's date is 2026-11-26.", copied from the
+    reminders that every later conversation carries too: no compaction link from it."""
+    reminder = "Today's date is 2026-11-26. Be brief."
+    copied = node(1, ["a"], reminder, answer="Today's date is 2026-11-26.")
+    calls = [copied, node(2, ["b"], f"{reminder} Fix the test."), node(3, ["c"], "Summarize.", answer=SUMMARY)]
+    calls.append(node(4, ["d"], f"{reminder} Continued from: {SUMMARY}"))
+    assert [(p.edge, p.parent) for p in place(calls)] == [
+        ("new", None),
+        ("new", None),
+        ("new", None),
+        ("compaction", 3),
+    ]
