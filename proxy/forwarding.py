@@ -400,7 +400,8 @@ def forced_tool_choice(choice: str, body: dict[str, Any]) -> str | dict[str, Any
         return None
     if choice in ("auto", "required", "none"):
         return choice
-    names = [(tool.get("function") or {}).get("name") if isinstance(tool, dict) else None for tool in tools]
+    functions = [tool.get("function") if isinstance(tool, dict) else None for tool in tools]
+    names = [function.get("name") if isinstance(function, dict) else None for function in functions]
     if choice not in names:
         return None
     at = names.index(choice)
@@ -421,6 +422,8 @@ async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: Sessi
     forced = session.sampling.model_dump(exclude_none=True) if session and session.sampling else {}
     if "tool_choice" in forced:
         forced["tool_choice"] = forced_tool_choice(forced["tool_choice"], body)
+        if isinstance(forced["tool_choice"], dict):  # the forced tool went strict (a template may render it)
+            rewrites["strict"] = [None, forced["tool_choice"]["function"]["name"]]
     for name, value in forced.items():
         if value is not None and body.get(name) != value:
             rewrites[name] = [body.get(name), value]

@@ -225,6 +225,12 @@ class Threads:
                 continue
             self._keep(session_id, thread)
             new = True
+        # what a later call continued, as the records say: forgotten before any branch's latest
+        threads = {t.call_id: t for t in self.cache.get(session_id, ())}
+        for call in calls:
+            continues = call.thread.get("continues") if isinstance(call.thread, dict) else None
+            if isinstance(continues, dict) and continues.get("call") in threads:
+                threads[continues["call"]].continued.setdefault(int(continues.get("choice") or 0), call.seq)
         return new
 
     def _keep(self, session_id: str, thread: Thread) -> None:

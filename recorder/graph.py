@@ -160,14 +160,15 @@ def place(calls: list[CallRecord]) -> list[Placement]:
         branch[seq] = edge in ("subagent", "compaction") or (parent is not None and branch.get(parent, False))
     policy = policy_model([c for c in ordered if not branch[c.seq]])
     # A side call on the policy model itself (Claude Code's title, written before its main loop):
-    # a lone conversation without tools in a session whose other calls offer them, that no call
-    # continues or starts from.
-    parents = {parent for _, parent, _ in links.values()}
+    # a lone one-turn conversation without tools in a session whose other calls offer them, that
+    # no call continues or starts from (a harness's last turn sent without tools has turns before).
+    parents = {parent for edge, parent, _ in links.values() if edge != "retry"}
     with_tools = any(c.request.get("tools") for c in ordered)
     placed: dict[int, Placement] = {}
     for call in ordered:
         edge, parent, reason = links[call.seq]
-        aside = edge == "new" and with_tools and not call.request.get("tools") and call.seq not in parents
+        one_turn = all(role in ("system", "user") for role, _ in conversation(call.request))
+        aside = edge == "new" and with_tools and one_turn and not call.request.get("tools") and call.seq not in parents
         purpose: Purpose = "train" if branch[call.seq] or (call.model == policy and not aside) else "aux"
         if edge in ("continue", "fork", "retry") and parent in placed:  # a chain keeps its first call's purpose
             purpose = placed[parent].purpose

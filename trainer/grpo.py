@@ -352,7 +352,7 @@ class Learner:
         mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
         for sample, logps, keep in zip(part, self._computed[0], mask, strict=False):
             if not sample.filler and len(self.views) < VIEWS_PER_STEP:
-                trained = [float(x) for x in logps[keep].float().cpu()]
+                trained = logps[keep].float().tolist()
                 seq = sample.sequence
                 self.views.append(LearnerView(seq.session_id, seq.spans[0].seq, advantages[id(seq)], trained))
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import resource
 import shutil
@@ -34,12 +35,15 @@ from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
 from proxy.admin_client import AdminClient, AdminError
 from recorder.episodes import Sampling
+from recorder.errors import StoreError
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import GroupReader, LoopState
 from trainer.grpo import Learner, Sample
 from trainer.nccl import NcclSync
 from trainer.weight_sync import SwapError, hot_swap, load_adapter
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -306,7 +310,10 @@ class TrainLoop:
         batch = await self.batch(admin)
         waited = time.monotonic() - start
         metrics = await self.in_learner(self.learner.step, batch.samples)
-        await self.groups.store.save_learner_views(self.config.run, self.state.step + 1, self.learner.views)
+        try:  # for the viewer only: a failure to store them must not end the run
+            await self.groups.store.save_learner_views(self.config.run, self.state.step + 1, self.learner.views)
+        except StoreError as exc:
+            log.warning("step %d: what the learner saw was not stored: %s", self.state.step + 1, exc)
         trained = time.monotonic() - start - waited
         tokens = sum(s.sequence.sampled_tokens for s in batch.samples)
         processed = sum(len(s.sequence.input_ids) for s in batch.samples)

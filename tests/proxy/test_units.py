@@ -18,12 +18,14 @@ from aiohttp import web
 
 from benchmarks.support.samples import call
 from proxy.capture import Capture, client_view
+from proxy.forwarding import forced_tool_choice
 from proxy.sessions import parse_key
 from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer
 from recorder.caches import ENTRY
+from recorder.records import ThreadRecord
 
 
 def test_plain_key_names_the_session_but_a_secret_one_does_not() -> None:
@@ -321,3 +323,37 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
 
 async def _returns(value: Any) -> Any:
     return value
+
+
+def test_a_named_tool_choice_is_forced_only_where_offered_and_never_raises() -> None:
+    """The session's named tool (`sampling.tool_choice: NAME`): forced, and made strict in the
+    body's own copy of the tools, where offered; a malformed tool list leaves the call as sent
+    (the upstream answers it), rather than failing in the proxy."""
+    add = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    body = {"tools": [{"type": "function", "function": "not a function"}, add]}
+    sent = body["tools"]
+    assert forced_tool_choice("add", body) == {"type": "function", "function": {"name": "add"}}
+    assert (
+        body["tools"][1]["function"]["strict"] is True and "strict" not in add["function"] and body["tools"] is not sent
+    )
+    assert forced_tool_choice("echo", {"tools": [add]}) is None
+    assert forced_tool_choice("add", {"tools": [{"function": "x"}, "y", None]}) is None
+    assert forced_tool_choice("required", {"tools": [add]}) == "required" and forced_tool_choice("add", {}) is None
+
+
+def test_threads_read_back_know_which_a_later_call_continued() -> None:
+    """Threads read back from the store (another proxy's, or before a restart) learn from the
+    records which answer a later call continued, so that beyond THREADS_PER_SESSION a continued
+    thread is forgotten before a branch's latest, as for threads served here."""
+    answer = {"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+
+    def record(seq: int, continues: int | None) -> ThreadRecord:
+        state: dict[str, Any] = {"messages": [], "tools": "00", "answers": [answer]}
+        if continues is not None:
+            state["continues"] = {"call": f"c{continues}", "choice": 0}
+        return ThreadRecord(f"c{seq}", seq, [1, 2], [[3]], state)
+
+    threads = Threads()
+    assert threads.restore("s", [record(3, 1), record(2, None), record(1, None)])  # newest first
+    kept = {t.call_id: t.continued for t in threads.cache["s"]}
+    assert kept == {"c1": {0: 3}, "c2": {}, "c3": {}}

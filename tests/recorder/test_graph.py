@@ -131,6 +131,11 @@ def test_a_lone_call_without_tools_in_a_session_with_tools_is_aux() -> None:
     summary = replace(node(3, ["b"], "Summarize.", answer=SUMMARY), request={"messages": []})
     calls += [summary, node(4, ["s"], f"This session continues from an earlier one. {SUMMARY}")]
     assert [p.purpose for p in place(calls)] == ["aux", "train", "train", "train"]
+    # a last turn sent without tools has turns before it: trained; a re-sent title stays aside
+    turns = [{"role": "user", "content": "Fix it."}, {"role": "assistant", "content": "Done."}]
+    last = replace(node(5, ["l"], answer="All fixed."), request={"messages": turns})
+    retried = replace(title, seq=6, call_id="c6", thread={**(title.thread or {}), "continues": None})
+    assert [(p.edge, p.purpose) for p in place([*calls, last, retried])][4:] == [("new", "train"), ("retry", "aux")]
 
 
 def test_two_links_that_both_fit_join_nothing_and_say_so() -> None:

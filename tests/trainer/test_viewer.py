@@ -119,6 +119,8 @@ def _store_of_many(db: str, n: int) -> None:
             # what the learner saw of s005's sequence at steps 1 and 2: the viewer shows the latest
             for step, lps in ((1, [-0.5, -0.5]), (2, [-0.25, -1.5])):
                 await store.save_learner_views("run-1", step, [LearnerView("s005", 1, 0.75, lps)])
+            # one that is not this sequence's (another length): not drawn
+            await store.save_learner_views("run-0", 1, [LearnerView("s006", 1, 0.5, [-0.3])])
 
     asyncio.run(fill())
 
@@ -155,7 +157,7 @@ def test_sessions_filtered_sorted_and_paged_and_groups_with_advantages(tmp_path:
         assert 'data-l="-0.1000" data-v="0" data-c="1" data-q="-0.2500"' in page and "--m:0.150" in page
         assert 'data-l="-2.0000" data-v="0" data-c="1" data-q="-1.5000"' in page and "--m:0.500" in page
         assert "the learner saw it at step 2, advantage 0.750" in page and "--ah:120; --as:0.750" in page
-        assert 'data-q="' not in get("/sessions/s006").text
+        assert 'data-q="' not in get("/sessions/s006").text and "the learner saw" not in get("/sessions/s006").text
         # s004-s007: rewards 0, 1/3, 2/3, 1, but s006 ended "failed" though its harness ran (its
         # verifier failed): the trainer leaves it out, and the advantages are those of the other three.
         group = get("/groups/g1").text

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,6 +38,7 @@ from proxy.errors import Unauthorized
 from proxy.settings import Settings
 from recorder.errors import StoreError, StoreValueError
 from recorder.graph import branches
+from recorder.records import LearnerView
 from recorder.store import Store
 from recorder.trajectories import WINDOW, TrainingSequence, build_sequences
 from recorder.validation import check
@@ -249,22 +251,26 @@ def create_app(
             return PlainTextResponse(f"no session {session_id!r} in this store", 404)
         calls = [c async for c in store.iter_calls(session_id)]
         checked = check(calls, info)
-        # what the trainer would train: the calls the graph places to be trained
+        # the calls the graph places to be trained (the trainer also keeps one choice of an n > 1 call)
         trained = {p.seq for p in checked.placements if p.trained}
         kept = [c for c in calls if c.seq in trained]
         report = build_sequences(kept, info, call_rewards=await store.call_rewards(session_id))
         breaks = {b.seq: b for b in report.breaks}
         decode = request.app.state.decode
-        views = await store.learner_views(session_id)
-        sequences = [
-            (
-                q,
-                tokens(q, decode, views[q.spans[0].seq][1].logprobs if q.spans and q.spans[0].seq in views else None),
-                breaks.get(q.spans[0].seq) if q.spans else None,
-                views.get(q.spans[0].seq) if q.spans else None,
-            )
-            for q in report.sequences
-        ]
+        # What the learner saw, where it is this sequence's: one view per first call, so not for
+        # the choices of an n > 1 call (they share it), nor one of other length (a masked one).
+        firsts = Counter(q.spans[0].seq for q in report.sequences if q.spans)
+        found = await store.learner_views(session_id)
+
+        def view_of(q: TrainingSequence) -> tuple[int, LearnerView] | None:
+            view = found.get(q.spans[0].seq) if q.spans and firsts[q.spans[0].seq] == 1 else None
+            return view if view and len(view[1].logprobs) == q.sampled_tokens else None
+
+        sequences = []
+        for q in report.sequences:
+            view = view_of(q)
+            brk = breaks.get(q.spans[0].seq) if q.spans else None
+            sequences.append((q, tokens(q, decode, view[1].logprobs if view else None), brk, view))
         # Each side's window, and where in it the two first differ.
         windows = {
             b.seq: (decode(b.expected), decode(b.found), min(b.at or 0, WINDOW))
