@@ -336,8 +336,9 @@ def test_a_session_can_force_one_named_tool_on_the_calls_that_offer_it(proxy: Ru
     other = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}
     ask = [{"role": "user", "content": "Say hello."}]
     for tools in ([other, ADD_TOOL], [other]):
-        client.chat.completions.create(model=vllm.model, messages=ask, tools=tools, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+        client.chat.completions.create(model=vllm.model, messages=ask, tools=tools, max_tokens=120, temperature=0)  # type: ignore[arg-type]
     offered, not_offered = proxy.calls(created["id"])
     assert offered.rewrites["tool_choice"] == [None, {"type": "function", "function": {"name": "add"}}]
+    assert offered.rewrites["strict"] == [None, "add"] and "strict" not in str(offered.request)  # the client's as sent
     assert [c["function"]["name"] for c in offered.response["choices"][0]["message"]["tool_calls"]] == ["add"]  # type: ignore[index]
     assert "tool_choice" not in not_offered.rewrites
