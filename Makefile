@@ -102,6 +102,7 @@ bench: install
 	$(PY) -m benchmarks.bench_train_step
 	$(PY) -m benchmarks.bench_viewer
 	$(PY) -m benchmarks.bench_scale
+	$(PY) -m benchmarks.claude_code_graph --episodes 3
 
 # One optimizer step on the example's batch: TRL's plain padded batch against each group's prompt
 # run once; the last line is the speed-up.

@@ -33,7 +33,7 @@ from proxy.errors import (
     error_body,
     require_json,
 )
-from proxy.sessions import parse_key, request_key
+from proxy.sessions import force_sampling, parse_key, request_key
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.threads import THREADS_PER_SESSION, Answer, Plan, thread_state
@@ -390,44 +390,12 @@ def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -
         body["logprobs"] = 0
 
 
-def forced_tool_choice(choice: str, body: dict[str, Any]) -> str | dict[str, Any] | None:
-    """The session's tool choice for the upstream `body`; None leaves the call's own. A named
-    tool is forced only where offered (forcing one a call lacks would be refused), and marked
-    `strict` in the body's own copy of the tools: vLLM's hermes parser constrains only a forced
-    call's envelope, and `strict` pins its arguments to the tool's schema as well."""
-    tools = body.get("tools")
-    if not tools or not isinstance(tools, list):
-        return None
-    if choice in ("auto", "required", "none"):
-        return choice
-    functions = [tool.get("function") if isinstance(tool, dict) else None for tool in tools]
-    names = [function.get("name") if isinstance(function, dict) else None for function in functions]
-    if choice not in names:
-        return None
-    at = names.index(choice)
-    body["tools"] = [
-        *tools[:at],
-        {**tools[at], "function": {**tools[at]["function"], "strict": True}},
-        *tools[at + 1 :],
-    ]
-    return {"type": "function", "function": {"name": choice}}
-
-
 async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: SessionInfo | None = None) -> dict[str, Any]:
     """Map the requested model to a served one, cap the completion length and set the session's
     own sampling settings (admin API), in the upstream body (the recorded request stays as the
     client sent it); return the changes made."""
     settings = state.settings
-    rewrites: dict[str, Any] = {}
-    forced = session.sampling.model_dump(exclude_none=True) if session and session.sampling else {}
-    if "tool_choice" in forced:
-        forced["tool_choice"] = forced_tool_choice(forced["tool_choice"], body)
-        if isinstance(forced["tool_choice"], dict):  # the forced tool went strict (a template may render it)
-            rewrites["strict"] = [None, forced["tool_choice"]["function"]["name"]]
-    for name, value in forced.items():
-        if value is not None and body.get(name) != value:
-            rewrites[name] = [body.get(name), value]
-            body[name] = value
+    rewrites = force_sampling(session, body)
     served = await state.upstreams.first.served_models()
     model = body.get("model")
     policy = settings.policy_model or next(iter(served), None)

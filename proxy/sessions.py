@@ -15,6 +15,7 @@ digest, and a key without `id=` names its session only when it is a short plain 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 from urllib.parse import unquote
 
 from starlette.requests import Request
@@ -82,3 +83,42 @@ def session_id_of(key: str) -> str:
     if len(key) <= MAX_NAMING_KEY and not key.startswith(SECRET_PREFIXES):
         return key
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def forced_tool_choice(choice: str, body: dict[str, Any]) -> str | dict[str, Any] | None:
+    """The session's tool choice for the upstream `body`; None leaves the call's own. A named
+    tool is forced only where offered (forcing one a call lacks would be refused), and marked
+    `strict` in the body's own copy of the tools: vLLM's hermes parser constrains only a forced
+    call's envelope, and `strict` pins its arguments to the tool's schema as well."""
+    tools = body.get("tools")
+    if not tools or not isinstance(tools, list):
+        return None
+    if choice in ("auto", "required", "none"):
+        return choice
+    functions = [tool.get("function") if isinstance(tool, dict) else None for tool in tools]
+    names = [function.get("name") if isinstance(function, dict) else None for function in functions]
+    if choice not in names:
+        return None
+    at = names.index(choice)
+    body["tools"] = [
+        *tools[:at],
+        {**tools[at], "function": {**tools[at]["function"], "strict": True}},
+        *tools[at + 1 :],
+    ]
+    return {"type": "function", "function": {"name": choice}}
+
+
+def force_sampling(session: SessionInfo | None, body: dict[str, Any]) -> dict[str, Any]:
+    """Set the session's own sampling settings (admin API) in the upstream `body`; return the
+    changes made, {name: [was, now]}."""
+    rewrites: dict[str, Any] = {}
+    forced = session.sampling.model_dump(exclude_none=True) if session and session.sampling else {}
+    if "tool_choice" in forced:
+        forced["tool_choice"] = forced_tool_choice(forced["tool_choice"], body)
+        if isinstance(forced["tool_choice"], dict):  # the forced tool went strict (a template may render it)
+            rewrites["strict"] = [None, forced["tool_choice"]["function"]["name"]]
+    for name, value in forced.items():
+        if value is not None and body.get(name) != value:
+            rewrites[name] = [body.get(name), value]
+            body[name] = value
+    return rewrites

@@ -18,8 +18,7 @@ from aiohttp import web
 
 from benchmarks.support.samples import call
 from proxy.capture import Capture, client_view
-from proxy.forwarding import forced_tool_choice
-from proxy.sessions import parse_key
+from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads
 from proxy.upstream import VERSION_PATIENCE, Upstream
