@@ -62,8 +62,8 @@ class Sampling(Record):
 
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # what the store's JSON can hold
     # Set only on calls that offer tools: "required" makes a model that never calls one (a small
     # model in Claude Code or Codex) call one on every turn, its arguments sampled under a grammar.
     # Any other value is a tool's name, forced on the calls that offer that tool and no other

@@ -40,6 +40,10 @@ def test_admin_open_on_loopback_without_token(make_proxy: Any, stub: str) -> Non
     assert bad.status_code == 400 and "value" in bad.json()["error"]["message"]
     dup = httpx.post(f"{proxy.url}/admin/sessions", json={"id": sid})
     assert dup.status_code == 409
+    # sampling integers the store's JSON cannot hold (past 64 bits) are the client's error (the fuzz found a 503)
+    for sampling in ({"seed": 2**64}, {"top_k": 2**64}):
+        huge = httpx.post(f"{proxy.url}/admin/sessions", json={"sampling": sampling})
+        assert huge.status_code == 400 and next(iter(sampling)) in huge.json()["error"]["message"], huge.text
 
 
 def test_admin_needs_the_token_when_one_is_set(make_proxy: Any, stub: str) -> None:
