@@ -20,9 +20,9 @@ alone (so it works on any store, whatever proxy served the calls):
 
 Each call also gets a purpose: `aux` for a call to another model than the session's policy
 model (the model most of its calls outside branches ask for) that nothing links to the work
-(a harness's small fast model writing titles or checking topics), or for a lone conversation
-without tools in a session whose calls offer them, that no call continues or starts from (Claude
-Code 2.1.197 writes a session's title so, on the main model), else `train`. A subagent's
+(a harness's small fast model writing titles or checking topics), or for a lone one-turn
+conversation without tools in a session whose calls offer them, that no call continues or starts
+from (Claude Code 2.1.197 writes a session's title so, on the main model), else `train`. A subagent's
 or compaction's branch is `train` whatever model it asks (Claude Code runs a subagent on the
 model its Agent call names), and a chain keeps its first call's purpose. `aux` calls are
 placed and exported, never trained by default.
