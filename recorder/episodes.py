@@ -49,7 +49,7 @@ class EpisodeOutcome(Record):
     harness: HarnessStatus  # how the harness's own run ended
     error: str | None = None  # why the episode is not "ok", if it is not
     output: str = ""  # its final answer, or the end of its stdout
-    exit_code: int | None = None
+    exit_code: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
     log: str | None = None  # path of the harness's log
     seconds: float = 0.0
     reward: float | None = None  # the sum of `parts`; None: not scored

@@ -150,6 +150,8 @@ def test_an_episode_ends_with_a_typed_outcome_and_refuses_another_shape(make_pro
     assert wrong.status_code == 400 and "harness" in wrong.json()["error"]["message"]
     odd = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", json={"status": "exploded"})
     assert odd.status_code == 400 and "status" in odd.json()["error"]["message"]
+    huge = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", json={"outcome": {"harness": "ok", "exit_code": 2**64}})
+    assert huge.status_code == 400 and "exit_code" in huge.json()["error"]["message"], huge.text
     outcome = {"harness": "ok", "reward": 0.5, "parts": [{"source": "python", "value": 0.5}]}
     ended = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", json={"status": "ok", "outcome": outcome}).json()
     assert ended["status"] == "ok" and ended["outcome"]["parts"] == outcome["parts"]
