@@ -116,11 +116,11 @@ def first_user_parts(request: dict[str, Any]) -> set[str]:
     return {text for text in (_text(p.get("text") if isinstance(p, dict) else p) for p in parts) if text}
 
 
-def _sampled_texts(call: CallRecord) -> list[str]:
+def _sampled_texts(call: CallRecord, said: list[tuple[str, str]]) -> list[str]:
     """What the call wrote that could be a summary: its answers' texts, but none it copied from its
-    own prompt (SmolLM2 in Claude Code repeated "Today's date is ...", which every later
+    own prompt (`said`; SmolLM2 in Claude Code repeated "Today's date is ...", which every later
     conversation's reminders carry)."""
-    prompt = "\n".join(text for _, text in conversation(call.request))
+    prompt = "\n".join(text for _, text in said)
     texts = (_text(m.get("content")) for m in _answers(call))
     return [t for t in texts if len(t) >= MIN_LINK_TEXT and t not in prompt]
 
@@ -139,12 +139,15 @@ class _Facts:
     messages: list[str] | None  # its thread's message digests
     arguments: set[str]  # string arguments of the tool calls it sampled
     texts: list[str]  # the texts it sampled
+    said: list[tuple[str, str]]  # its conversation (`conversation`)
 
 
 def _facts(call: CallRecord) -> _Facts:
     asked = {k: v for k, v in call.request.items() if k not in TRANSPORT}
     digest = hashlib.blake2b(orjson.dumps(asked, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
-    return _Facts(digest, (call.thread or {}).get("messages"), _string_arguments(call), _sampled_texts(call))
+    said = conversation(call.request)
+    messages = (call.thread or {}).get("messages")
+    return _Facts(digest, messages, _string_arguments(call), _sampled_texts(call, said), said)
 
 
 def place(calls: list[CallRecord]) -> list[Placement]:
@@ -167,7 +170,7 @@ def place(calls: list[CallRecord]) -> list[Placement]:
     placed: dict[int, Placement] = {}
     for call in ordered:
         edge, parent, reason = links[call.seq]
-        one_turn = all(role in ("system", "user") for role, _ in conversation(call.request))
+        one_turn = all(role in ("system", "user") for role, _ in facts[call.seq].said)
         aside = edge == "new" and with_tools and one_turn and not call.request.get("tools") and call.seq not in parents
         purpose: Purpose = "train" if branch[call.seq] or (call.model == policy and not aside) else "aux"
         if edge in ("continue", "fork", "retry") and parent in placed:  # a chain keeps its first call's purpose
@@ -206,9 +209,8 @@ def _link(call: CallRecord, earlier: list[CallRecord], facts: dict[int, _Facts])
     if extended is not None:
         return "continue", extended.seq, None
     links: list[tuple[Edge, int, str]] = []
-    said = conversation(call.request)
     first_user = first_user_parts(call.request)
-    carried = [text for role, text in said[:3] if role != "assistant"]
+    carried = [text for role, text in mine.said[:3] if role != "assistant"]
     for before in reversed(earlier):
         if served := first_user & facts[before.seq].arguments:
             links.append(("subagent", before.seq, min(served)))
