@@ -10,6 +10,9 @@ harness_adapters/examples/arithmetic/train.yaml.
       max_staleness: 1          # optimizer steps a sample's policy may lag behind; older ones are dropped
       queue_groups: 4           # finished groups waiting for the trainer; more blocks rollouts
       sync_every: 1             # optimizer steps between weight swaps into vLLM
+      curriculum: false         # sample tasks by their recent pass rate (groups likely to hold a signal)
+      warm_start: 0             # the first steps supervised on the policy's own successes (RFT)
+      warm_start_from: null     # ... or on the successes a store holds (a collect run's)
       grpo:                     # TRL GRPOConfig fields, with TRL's meaning and defaults
         loss_type: dapo
         learning_rate: 2.0e-5
@@ -95,6 +98,17 @@ class TrainSection(Strict):
         False,
         description="sample tasks by their chance of a group with both a success and a failure (recent pass rate)",
     )
+    warm_start: int = Field(
+        0,
+        ge=0,
+        description="the first steps are supervised, on the successful episodes of the run's own groups "
+        "(rejection-sampling fine-tuning): the recorded sampled tokens' log-likelihood; then GRPO",
+    )
+    warm_start_from: str | None = Field(
+        None,
+        description="a store (SQLite path or SQLAlchemy URL: a collect run's, your own) whose successful "
+        "episodes the warm start trains on instead of the run's own groups",
+    )
     min_calls: int = Field(
         1, ge=1, description="fewer calls than this in an episode is a FATAL capture (a harness expected to loop)"
     )
@@ -152,6 +166,10 @@ class TrainSection(Strict):
                 LoraConfig(**{"task_type": "CAUSAL_LM", **self.lora})
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"lora: {exc}") from exc
+        if self.warm_start_from is not None and not self.warm_start:
+            raise ValueError("warm_start_from: set warm_start to the number of supervised steps to run on it")
+        if self.warm_start >= self.steps:
+            raise ValueError(f"warm_start: {self.warm_start} supervised steps leave none of the {self.steps} for GRPO")
         if self.sharding == "fsdp2" and (self.lora is not None or self.weight_sync == "nccl"):
             raise ValueError("sharding: fsdp2 is built for full fine-tuning with the swap from disk (no lora, no nccl)")
         if self.weight_sync == "nccl" and self.lora is not None:

@@ -235,8 +235,10 @@ class GroupReader:
         n = self.config.episodes_per_task
         return [g for g, members in groups.items() if len(members) >= n and g not in consumed]
 
-    async def prepare(self, group: str) -> tuple[list[Sample], list[float], list[int]] | None:
-        """A group's samples with their advantages, or None (counted) if it cannot be used."""
+    async def prepare(self, group: str, supervised: bool = False) -> tuple[list[Sample], list[float], list[int]] | None:
+        """A group's samples with their advantages, or None (counted) if it cannot be used. For a
+        `supervised` step (the warm start) its successful episodes, each of weight 1, whatever
+        the others' rewards; None if none succeeded."""
         self.state.consumed.append(group)
         sessions = await self.store.list_sessions(group_id=group)
         rows: list[tuple[SessionInfo, float | None, Why, list[TrainingSequence], int]] = []
@@ -268,17 +270,20 @@ class GroupReader:
             rows.append((s, reward, why, sequences, lag))
         self.check_failing(sessions, sum(why not in DROPPED_BEFORE_SCORING for _, _, why, _, _ in rows))
         values = group_advantages([reward for _, reward, _, _, _ in rows], self.rule)
+        if supervised:
+            values = [
+                1.0 if reward is not None and reward >= self.config.success_at else None for _, reward, *_ in rows
+            ]
         shown = [
             [s.id, reward, None if values is None else values[i], why] for i, (s, reward, why, _, _) in enumerate(rows)
         ]
         await self.store.save_group(group, self.config.run, self.state.step, shown)
-        kept = [(reward, sequences, lag) for _, reward, _, sequences, lag in rows if reward is not None]
-        if values is None:
-            self.state.skipped_equal += len(kept) >= 2
+        if values is None or all(a is None for a in values):
+            self.state.skipped_equal += values is None and sum(reward is not None for _, reward, *_ in rows) >= 2
             return None
-        trained = [a for a in values if a is not None]
-        samples = [Sample(q, a) for (_, sequences, _), a in zip(kept, trained, strict=True) for q in sequences]
-        return samples, [reward for reward, _, _ in kept], [lag for _, _, lag in kept]
+        kept = [(row, a) for row, a in zip(rows, values, strict=True) if a is not None and row[1] is not None]
+        samples = [Sample(q, a) for (_, _, _, sequences, _), a in kept for q in sequences]
+        return samples, [reward for (_, reward, *_), _ in kept if reward is not None], [row[4] for row, _ in kept]
 
     def fresh(self, reward: float, why: Why, sequences: list[TrainingSequence]) -> tuple[float | None, Why, int]:
         """(reward, why, staleness) of an episode's sequences: none to train ("empty"), or sampled
@@ -320,6 +325,25 @@ class GroupReader:
             raise TrainError(
                 f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}" + refused
             )
+
+
+async def successes(
+    store: Store, rule: RewardRule, success_at: float, min_calls: int, heldout: set[str]
+) -> list[list[TrainingSequence]]:
+    """The trained sequences of every successful episode in a store (a collect run's, a user's
+    own), for the warm start: as the trainer builds them, FATAL captures and the `heldout`
+    tasks' episodes left out."""
+    found = []
+    for s in await store.list_sessions(min_reward=success_at):
+        reward = s.training_reward(rule).value
+        if reward is None or reward < success_at or s.task_id in heldout:
+            continue
+        calls = [c async for c in store.iter_calls(s.id)]
+        checked = check(calls, s, min_calls)
+        sequences = continued([q for q in checked.sequences if q.sampled_tokens], calls)
+        if checked.grade.level != "FATAL" and sequences:
+            found.append(sequences)
+    return found
 
 
 @dataclass(frozen=True)

@@ -160,9 +160,10 @@ class Learner:
         self.shared_prefix = True
         self.trl._get_per_token_logps_and_entropies = self.logps
 
-    def inputs(self, samples: list[Sample], num_items: int | None = None) -> dict[str, Any]:
+    def inputs(self, samples: list[Sample], num_items: int | None = None, terms: bool = True) -> dict[str, Any]:
         """TRL's batch for these samples: prompts left-padded, completions right-padded, the
-        loss mask as `tool_mask`, the behaviour logprobs as `sampling_per_token_logps`."""
+        loss mask as `tool_mask`, the behaviour logprobs as `sampling_per_token_logps`; with
+        `terms`, the old-policy and reference logprobs the loss needs (`_policy_terms`)."""
         import torch
 
         prompts = [s.sequence.input_ids[: s.split] for s in samples]
@@ -191,6 +192,8 @@ class Learner:
         }
         mask = batch["completion_mask"] * batch["tool_mask"]
         batch["num_items_in_batch"] = torch.tensor(float(num_items if num_items is not None else mask.sum()))
+        if not terms:
+            return batch
         # The old-policy and reference logprobs are the policy's own probabilities: without
         # dropout (a LoRA adapter's lora_dropout was on here, so they moved from call to call).
         training = self.model.training
@@ -282,25 +285,13 @@ class Learner:
             or compute_aux_loss
             or any(v is not None for v in multimodal.values())
         )
+        given = (model, input_ids, attention_mask, logits_to_keep)
         if plain:
             out = GRPOTrainer._get_per_token_logps_and_entropies(
-                self.trl,
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal,
+                self.trl, *given, batch_size, compute_entropy, compute_aux_loss, **multimodal
             )
         else:
-            out = (
-                *shared_prefix_logps(
-                    model, input_ids, attention_mask, logits_to_keep, self.trl.accelerator, batch_size, compute_entropy
-                ),
-                None,
-            )
+            out = (*shared_prefix_logps(*given, self.trl.accelerator, batch_size, compute_entropy), None)
         if model is self.model:
             self._computed.append(out[0].detach())
         return out
@@ -311,8 +302,6 @@ class Learner:
         divides each part's own mean by the number of parts, right only when the parts are even:
         in parts of [8, 8, 1] the lone sequence would weigh 8x. The token-normalised losses (dapo,
         cispo, vespo) already divide by the whole batch's count (over the ranks)."""
-        # Rows of one prompt together and of like lengths together: a micro-batch is mostly one
-        # group, run from its shared prompt, with little padding after it.
         # Each episode counts once whatever its number of sequences (subagents, compactions, forks):
         # where each row's tokens are averaged, an episode's rows share its weight; where rows are
         # averaged (grpo, sapo, dr_grpo, luspo), the mean is over episodes. Token sums and means
@@ -321,18 +310,9 @@ class Learner:
         advantages = {id(s.sequence): s.advantage for s in samples}  # the episodes', for the views
         if self.args.loss_type in ROW_MEANS:
             samples = [replace(s, advantage=s.advantage / episodes[s.sequence.session_id]) for s in samples]
-        ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
-        # Parts of even sizes, as many on every rank; with several ranks each part is topped up to
-        # the same number of rows with fillers (TRL gathers a value per row across the ranks).
-        count = -(-len(ordered) // self.micro_batch)
-        count = -(-count // self.world) * self.world
-        cuts = [i * len(ordered) // count for i in range(count + 1)]
-        everyone = [ordered[a:b] for a, b in itertools.pairwise(cuts)]
-        rows = max(map(len, everyone))
+        parts, count = self._parts(samples)
         num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
-        for part in everyone[self.rank :: self.world]:
-            if self.world > 1:
-                part = part + [Sample((part or ordered)[0].sequence, 0.0, filler=True)] * (rows - len(part))
+        for part in parts:
             batch = self.inputs(part, num_items)
             if self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
                 weight = 1.0
@@ -343,6 +323,40 @@ class Learner:
             loss = self.loss(batch, count // self.world) * weight
             self._view(part, batch, advantages)
             yield loss
+
+    def sft_losses(self, samples: list[Sample]) -> Iterator[Any]:
+        """The warm start's loss (rejection-sampling fine-tuning): the negative log-likelihood of
+        the recorded sampled tokens (the loss mask, as in GRPO) at the sampling temperature, a mean
+        over the batch's tokens. Not GRPO with advantage 1: that stops pulling once ratios clip."""
+        import torch
+
+        parts, _ = self._parts(samples)
+        num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
+        for part in parts:
+            batch = self.inputs(part, num_items, terms=False)
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            self._computed.clear()
+            logps, _, _ = self.logps(self.model, ids, attention, batch["completion_ids"].size(1), self.micro_batch)
+            mask = batch["completion_mask"] * batch["tool_mask"]
+            self._sums["gap"] += float(((logps.detach() - batch["sampling_per_token_logps"]).abs() * mask).sum())
+            self._sums["tokens"] += float(mask.sum())
+            self._view(part, batch, {id(s.sequence): s.advantage for s in part})
+            yield -(logps * mask).sum() * self.world / max(num_items, 1)  # gradients are averaged over ranks
+
+    def _parts(self, samples: list[Sample]) -> tuple[list[list[Sample]], int]:
+        """This rank's micro-batches of a step, and how many there are over all ranks: rows of one
+        prompt together and of like lengths together (a part is mostly one group, run from its
+        shared prompt), parts of even sizes, as many on every rank, topped up with fillers to the
+        same number of rows (TRL gathers a value per row across the ranks)."""
+        ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
+        count = -(-len(ordered) // self.micro_batch)
+        count = -(-count // self.world) * self.world
+        cuts = [i * len(ordered) // count for i in range(count + 1)]
+        everyone = [ordered[a:b] for a, b in itertools.pairwise(cuts)]
+        top = max(map(len, everyone)) if self.world > 1 else 0  # fillers: the part's prompt, weighing 0
+        mine = everyone[self.rank :: self.world]
+        return [part + [Sample((part or ordered)[0].sequence, 0.0, True)] * (top - len(part)) for part in mine], count
 
     def _view(self, part: list[Sample], batch: dict[str, Any], advantages: dict[int, float]) -> None:
         """Keep the learner's logprobs of the trained tokens of the step's first VIEWS_PER_STEP
@@ -356,12 +370,12 @@ class Learner:
                 seq = sample.sequence
                 self.views.append(LearnerView(seq.session_id, seq.spans[0].seq, advantages[id(seq)], trained))
 
-    def step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step on these samples (in micro-batches); TRL's metrics for it. With
-        several processes rank 0 calls this, and the samples go to every rank (`lead`)."""
+    def step(self, samples: list[Sample], supervised: bool = False) -> dict[str, float]:
+        """One optimizer step on these samples (in micro-batches), GRPO or `supervised` (`sft_losses`);
+        TRL's metrics for it. Several processes: rank 0 calls this, the samples go to every rank."""
         if self.world > 1:
-            self._broadcast(("step", samples))
-        return self._step(samples)
+            self._broadcast(("step", (samples, supervised)))
+        return self._step(samples, supervised)
 
     def lead(self, work: Callable[[], T]) -> T | None:
         """With several processes: rank 0 does `work` (which calls `step`) and then lets the
@@ -372,7 +386,7 @@ class Learner:
             while (command := self._broadcast(None)) is not None:
                 kind, given = command
                 if kind == "step":
-                    self._step(given)
+                    self._step(*given)
                 else:  # "save": the sharded weights are gathered from every rank
                     self._save(*given)
             result = None
@@ -397,7 +411,7 @@ class Learner:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _step(self, samples: list[Sample]) -> dict[str, float]:
+    def _step(self, samples: list[Sample], supervised: bool = False) -> dict[str, float]:
         import torch
 
         trl = self.trl
@@ -406,7 +420,7 @@ class Learner:
         total = 0.0
         self._sums = dict.fromkeys(self._sums, 0.0)
         self.views = []
-        for loss in self.part_losses(samples):
+        for loss in (self.sft_losses if supervised else self.part_losses)(samples):
             trl.accelerator.backward(loss)
             total += float(loss.detach())
         if self.world > 1:  # the gradients, the loss and the off-policy sums over every rank's shard

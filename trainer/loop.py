@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import random
 import resource
 import shutil
 import statistics
@@ -37,8 +38,9 @@ from proxy.admin_client import AdminClient, AdminError
 from recorder.episodes import Sampling
 from recorder.errors import StoreError
 from recorder.store import Store
+from recorder.trajectories import TrainingSequence
 from trainer.config import TrainConfig
-from trainer.groups import GroupReader, LoopState
+from trainer.groups import GroupReader, LoopState, TrainError, successes
 from trainer.grpo import Learner, Sample
 from trainer.nccl import NcclSync
 from trainer.weight_sync import SwapError, hot_swap, load_adapter
@@ -133,6 +135,8 @@ class TrainLoop:
         self.weights = base_weights if state is None else self.out / "versions" / f"v{self.state.version}"
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
         self.pending: list[str] = []  # groups finished before a restart, taken first
+        self.recorded: list[list[TrainingSequence]] | None = None  # warm_start_from's successful episodes
+        self.heldout: set[str] = set()  # the evaluation's tasks, never trained on
         self.checkpointed = self.state.step  # the step of the newest checkpoint to resume from
         # auto: async where the learner has a GPU; on CPU the learner and the rollouts share the
         # cores, and generating then training measured faster (docs/training.md).
@@ -148,8 +152,22 @@ class TrainLoop:
     async def in_learner(self, work: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, *args)
 
-    async def batch(self, admin: AdminClient) -> Batch:
-        """`groups_per_step` usable groups: taken from the queue (async) or generated now (sync)."""
+    async def batch(self, admin: AdminClient, supervised: bool = False) -> Batch:
+        """`groups_per_step` usable groups: taken from the queue (async) or generated now (sync).
+        For a `supervised` step (the warm start), groups with a success, or as many episodes
+        from `warm_start_from`'s successes, in a shuffled round."""
+        if supervised and self.cfg.warm_start_from:
+            if self.recorded is None:
+                async with Store(self.cfg.warm_start_from, readonly=True) as store:
+                    rule, at = self.rollouts.rule, self.config.success_at
+                    self.recorded = await successes(store, rule, at, self.cfg.min_calls, self.heldout)
+                if not self.recorded:
+                    raise TrainError(f"warm_start_from: {self.cfg.warm_start_from} holds no successful episode")
+                random.Random(self.learner.args.seed).shuffle(self.recorded)
+            size = self.cfg.groups_per_step * self.config.episodes_per_task
+            start = self.state.step * size
+            episodes = [self.recorded[i % len(self.recorded)] for i in range(start, start + size)]
+            return Batch([Sample(q, 1.0) for episode in episodes for q in episode], [1.0] * size, [0] * size)
         samples: list[Sample] = []
         rewards: list[float] = []
         staleness: list[int] = []
@@ -162,13 +180,13 @@ class TrainLoop:
             else:
                 taken = await self.rollouts.groups(admin, self.cfg.groups_per_step - groups)
             for group in taken:
-                prepared = await self.groups.prepare(group)
+                prepared = await self.groups.prepare(group, supervised)
                 if prepared is not None:
                     samples += prepared[0]
                     rewards += prepared[1]
                     staleness += prepared[2]
                     groups += 1
-        if self.learner.args.scale_rewards == "batch":
+        if self.learner.args.scale_rewards == "batch" and not supervised:
             std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
             samples = [Sample(s.sequence, s.advantage / (std + 1e-4)) for s in samples]
         return Batch(samples, rewards, staleness)
@@ -277,6 +295,7 @@ class TrainLoop:
 
     async def run(self, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> TrainSummary:
         self.out.mkdir(parents=True, exist_ok=True)
+        self.heldout = {t.id for t in eval_tasks}
         before = await self.evaluate(eval_runner, eval_tasks) if self.state.step == 0 else (None, None)
         await self.groups.save_run()
         async with self.rollouts.runner.admin() as admin:
@@ -307,9 +326,10 @@ class TrainLoop:
 
     async def step(self, admin: AdminClient, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> None:
         start = time.monotonic()
-        batch = await self.batch(admin)
+        supervised = self.state.step < self.cfg.warm_start
+        batch = await self.batch(admin, supervised)
         waited = time.monotonic() - start
-        metrics = await self.in_learner(self.learner.step, batch.samples)
+        metrics = await self.in_learner(self.learner.step, batch.samples, supervised)
         try:  # for the viewer only: a failure to store them must not end the run
             await self.groups.store.save_learner_views(self.config.run, self.state.step + 1, self.learner.views)
         except StoreError as exc:
@@ -326,6 +346,7 @@ class TrainLoop:
         row = {
             "step": self.state.step,
             "version": self.state.version,
+            "phase": "sft" if supervised else "grpo",
             "reward": statistics.fmean(batch.rewards),
             "rollout_reward": statistics.fmean(self.rollouts.rewards[-64:]) if self.rollouts.rewards else None,
             "samples": len(batch.samples),

@@ -453,3 +453,31 @@ def test_a_step_keeps_the_learner_logprobs_of_its_first_sequences_trained_tokens
         advantage, trained = expected[view.session_id]
         assert view.first_seq == 0 and view.advantage == advantage
         assert view.logprobs == pytest.approx(trained, abs=1e-4)
+
+
+def test_a_supervised_step_is_the_mean_log_likelihood_loss_of_the_sampled_tokens(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The warm start's step (rejection-sampling fine-tuning): its loss is the negative
+    log-likelihood of the trained tokens (tool tokens left out) at the sampling temperature, a
+    mean over the batch's tokens however it is cut into micro-batches; stepping raises them."""
+    samples = [Sample(s.sequence, 1.0) for s in _batch()]
+    grpo = {"temperature": 0.9, "learning_rate": 1e-3}
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=2, micro_batch=3)
+
+    def nll() -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for sample in samples:
+                ids = torch.tensor(sample.sequence.input_ids)
+                logits = learner.model(ids[None]).logits[0, :-1].float() / 0.9
+                logp = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
+                trained = [float(logp[i - 1]) for i, m in enumerate(sample.sequence.loss_mask) if m]
+                total, count = total - sum(trained), count + len(trained)
+        return total / count
+
+    before = nll()
+    metrics = learner.step(samples, supervised=True)
+    assert metrics["loss"] == pytest.approx(before, rel=1e-4)
+    assert nll() < before - 0.05
+    assert len(learner.views) == 4  # the viewer shows what a supervised step saw too

@@ -17,7 +17,7 @@ from harness_adapters.config import PythonHarness
 from recorder import CallRecord, Completion, SessionInfo, Store
 from recorder.episodes import EpisodeOutcome
 from trainer.config import TrainConfig, TrainSection
-from trainer.groups import GroupReader, LoopState, TrainError, reward_rule, would_train
+from trainer.groups import GroupReader, LoopState, TrainError, reward_rule, successes, would_train
 
 T0 = datetime(2026, 1, 1)
 
@@ -544,3 +544,42 @@ def test_aux_calls_are_not_trained_and_a_fatal_capture_leaves_its_episode_out(tm
     samples, rewards, _ = prepared
     assert rewards == [1.0, 1.0, 0.0] and state.capture_fatal == 1
     assert len(samples) == 3 and all(50 not in s.sequence.input_ids for s in samples)
+
+
+def test_the_warm_start_trains_on_the_successes_of_a_group_or_of_a_store(tmp_path: Path) -> None:
+    """A supervised step (`train.warm_start`) takes a group's successful episodes whatever the
+    others' rewards (an all-success group too, which GRPO skips), each of weight 1, and no group
+    without one; `successes` finds them in any store (`warm_start_from`), held-out tasks left out."""
+
+    async def main() -> tuple[Any, ...]:
+        async with Store(str(tmp_path / "s.db")) as store:
+            for group, rewards in (("mixed", [1.0, 0.0, 0.0, 1.0]), ("won", [1.0] * 4), ("lost", [0.0] * 4)):
+                for n, reward in enumerate(rewards):
+                    await _episode(store, group, n, "0", reward)
+            loop = _loop(tmp_path, store, LoopState(), steps=2, warm_start=1)
+            taken = [await loop.prepare(group, supervised=True) for group in ("mixed", "won", "lost")]
+            found = await successes(store, loop.rule, 1.0, 1, set())
+            return taken, found, await successes(store, loop.rule, 1.0, 1, {"t"}), loop.state
+
+    (mixed, won, lost), found, heldout, state = asyncio.run(main())
+    assert mixed is not None and won is not None and lost is None
+    assert [(s.sequence.session_id, s.advantage) for s in mixed[0]] == [("mixed-0", 1.0), ("mixed-3", 1.0)]
+    assert mixed[1] == [1.0, 1.0] and len(won[0]) == 4
+    assert won[0][0].sequence.loss_mask == [0, 0, 0, 1, 1, 0, 1]  # the sampled tokens only, as in GRPO
+    assert state.skipped_equal == 0
+    assert sorted(q.session_id for episode in found for q in episode) == [
+        "mixed-0",
+        "mixed-3",
+        "won-0",
+        "won-1",
+        "won-2",
+        "won-3",
+    ]
+    assert heldout == []
+
+
+def test_a_warm_start_must_leave_steps_for_grpo_and_a_store_needs_one(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="leave none of the 2 for GRPO"):
+        _config(tmp_path, steps=2, warm_start=2)
+    with pytest.raises(ValueError, match="set warm_start"):
+        _config(tmp_path, warm_start_from="runs/x/rl-proxy.db")

@@ -69,10 +69,12 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     with pytest.raises(TrainError, match="--resume"):
         train(_config(tmp_path, vllm.url, steps=2), progress=False)
 
-    # Resumed in async mode (the first ran sync; auto picks sync on CPU): both paths run; and its
-    # tasks are sampled by the curriculum (harness_adapters/rollouts.py Curriculum).
+    # Resumed in async mode (the first ran sync; auto picks sync on CPU): both paths run; its
+    # tasks are sampled by the curriculum (harness_adapters/rollouts.py Curriculum); and its
+    # step 2 is a warm start's supervised step on the successful episodes the store holds.
     resumed_config = _config(tmp_path, vllm.url, steps=3, checkpoint_every=2, mode="async")
     resumed_config.train.curriculum = True
+    resumed_config.train.warm_start, resumed_config.train.warm_start_from = 2, str(out / "rl-proxy.db")
     second = train(resumed_config, resume=True, progress=False)
     assert (second.state.step, second.state.version, second.mode, first.mode) == (3, 3, "async", "sync")
     # Version 2 (step 2) went to vLLM as weights alone; step 3 (the last) is a checkpoint again,
@@ -87,7 +89,9 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     assert len(set(second.state.consumed)) == len(second.state.consumed)  # no group trained twice
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "3"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in steps if "reward" in r] == [1, 2, 3]
+    assert [(r["step"], r["phase"]) for r in steps if "reward" in r] == [(1, "grpo"), (2, "sft"), (3, "grpo")]
+    supervised = read_store(str(out / "rl-proxy.db"), lambda s: _views_of_step(s, 2))
+    assert supervised and all(reward == 1.0 for _, reward in supervised), supervised
     # groups with a signal (rewards that differ), of those this process made, and per minute
     made = [(r["signal_groups"], r["groups_made"], r["signal_groups_per_min"]) for r in steps if "reward" in r]
     assert all(0 <= signal <= groups and groups >= 1 and per_min >= 0 for signal, groups, per_min in made), made
@@ -136,6 +140,12 @@ async def _views(store: Store, groups: list[str]) -> list[tuple[str, GroupView, 
 
 def _advantages(view: GroupView) -> list[float | None]:
     return [None if a is None else round(a, 6) for _, _, a, _ in view.episodes]
+
+
+async def _views_of_step(store: Store, step: int) -> list[tuple[str, float | None]]:
+    """The sessions (and their rewards) whose sequences the learner's view of `step` shows."""
+    shown = [(s, await store.learner_views(s.id)) for s in await store.list_sessions()]
+    return [(s.id, s.outcome and s.outcome.reward) for s, found in shown for at, _ in found.values() if at == step]
 
 
 async def _calls(store: Store, session_ids: list[str]) -> list[CallRecord]:
