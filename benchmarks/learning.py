@@ -5,21 +5,22 @@ column, and every seed's held-out curve in one plot (`make soak-learning`: hours
 
     python -m benchmarks.learning harness_adapters/examples/shell/train.yaml --seeds 1 2 3
 
-A seed whose run finished (its last evaluation is in its metrics) is not run again: a long
-series can be taken up where it stopped.
+A seed whose run finished (its last evaluation is in its metrics) is not run again, and one
+that stopped goes on from its last checkpoint: a long series can be taken up where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
 
 from harness_adapters.config import load_config
 from trainer.config import TrainConfig
-from trainer.loop import read_metrics
+from trainer.loop import latest_checkpoint, read_metrics
 from trainer.run import train
 
 
@@ -80,15 +81,19 @@ def main() -> None:
         config = load_config(args.config, TrainConfig)
         config.out = str(out / f"seed-{seed}")
         config.train.grpo = {**config.train.grpo, "seed": seed}
-        if not finished(config):
+        if not finished(config):  # from its last checkpoint, or from the start
+            resume = latest_checkpoint(config.out_dir) is not None
+            if not resume:
+                shutil.rmtree(config.out_dir, ignore_errors=True)
             print(f"seed {seed}: {config.out}", flush=True)
-            train(config)
+            train(config, resume)
         runs[seed] = config.out_dir / "metrics.jsonl"
     rows = [summary(seed, metrics) for seed, metrics in runs.items()]
     with open(out / "metrics.jsonl", "w") as combined:  # every seed's rows, with a seed column
         for seed, metrics in runs.items():
-            for line in metrics.read_text().splitlines():
-                combined.write(json.dumps({**json.loads(line), "seed": seed}) + "\n")
+            steps, evals = read_metrics(metrics)
+            for row in sorted(steps + evals, key=lambda r: r["time"]):
+                combined.write(json.dumps({**row, "seed": seed}) + "\n")
     plot(runs, out / "training.png")
     print("| seed | held-out sampled, before -> after | greedy, before -> after | minutes |")
     print("|---|---|---|---|")

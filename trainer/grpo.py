@@ -341,7 +341,7 @@ class Learner:
             mask = batch["completion_mask"] * batch["tool_mask"]
             self._sums["gap"] += float(((logps.detach() - batch["sampling_per_token_logps"]).abs() * mask).sum())
             self._sums["tokens"] += float(mask.sum())
-            self._view(part, batch, {id(s.sequence): s.advantage for s in part})
+            self._view(part, batch, {id(s.sequence): s.advantage for s in samples})
             yield -(logps * mask).sum() * self.world / max(num_items, 1)  # gradients are averaged over ranks
 
     def _parts(self, samples: list[Sample]) -> tuple[list[list[Sample]], int]:

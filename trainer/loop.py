@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from harness_adapters.rollouts import Rollouts, success_rate
 from harness_adapters.runner import EpisodeRunner
-from harness_adapters.tasks import Task
+from harness_adapters.tasks import Task, load_tasks
 from proxy.admin_client import AdminClient, AdminError
 from recorder.episodes import Sampling
 from recorder.errors import StoreError
@@ -136,7 +136,6 @@ class TrainLoop:
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=self.cfg.queue_groups)
         self.pending: list[str] = []  # groups finished before a restart, taken first
         self.recorded: list[list[TrainingSequence]] | None = None  # warm_start_from's successful episodes
-        self.heldout: set[str] = set()  # the evaluation's tasks, never trained on
         self.checkpointed = self.state.step  # the step of the newest checkpoint to resume from
         # auto: async where the learner has a GPU; on CPU the learner and the rollouts share the
         # cores, and generating then training measured faster (docs/training.md).
@@ -155,12 +154,14 @@ class TrainLoop:
     async def batch(self, admin: AdminClient, supervised: bool = False) -> Batch:
         """`groups_per_step` usable groups: taken from the queue (async) or generated now (sync).
         For a `supervised` step (the warm start), groups with a success, or as many episodes
-        from `warm_start_from`'s successes, in a shuffled round."""
+        from `warm_start_from`'s successes, in a shuffled round (none of a task held out)."""
         if supervised and self.cfg.warm_start_from:
-            if self.recorded is None:
-                async with Store(self.cfg.warm_start_from, readonly=True) as store:
+            if self.recorded is None:  # the task file's tasks outside the training split are never trained on
+                trained = {t.id for t in self.rollouts.tasks}
+                heldout = {t.id for t in load_tasks(self.config.path(self.config.tasks))} - trained
+                async with Store(self.config.path(self.cfg.warm_start_from), readonly=True) as store:
                     rule, at = self.rollouts.rule, self.config.success_at
-                    self.recorded = await successes(store, rule, at, self.cfg.min_calls, self.heldout)
+                    self.recorded = await successes(store, rule, at, self.cfg.min_calls, heldout)
                 if not self.recorded:
                     raise TrainError(f"warm_start_from: {self.cfg.warm_start_from} holds no successful episode")
                 random.Random(self.learner.args.seed).shuffle(self.recorded)
@@ -295,7 +296,6 @@ class TrainLoop:
 
     async def run(self, eval_runner: EpisodeRunner | None, eval_tasks: list[Task]) -> TrainSummary:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.heldout = {t.id for t in eval_tasks}
         before = await self.evaluate(eval_runner, eval_tasks) if self.state.step == 0 else (None, None)
         await self.groups.save_run()
         async with self.rollouts.runner.admin() as admin:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.config import load_config
+from harness_adapters.tasks import load_tasks
 from proxy.server import AppThread
 from recorder import CallRecord, Store
 from trainer.cli import app
@@ -90,8 +91,11 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "3"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["phase"]) for r in steps if "reward" in r] == [(1, "grpo"), (2, "sft"), (3, "grpo")]
+    # ... on successes only, and none of a held-out task (the store holds the evaluation's too)
     supervised = read_store(str(out / "rl-proxy.db"), lambda s: _views_of_step(s, 2))
-    assert supervised and all(reward == 1.0 for _, reward in supervised), supervised
+    heldout = {t.id for t in load_tasks(EXAMPLE / "tasks.jsonl", "heldout")}
+    assert supervised and all(reward == 1.0 and task not in heldout for _, reward, task in supervised), supervised
+    assert any(s.task_id in heldout and s.outcome and s.outcome.reward == 1.0 for s in sessions)
     # groups with a signal (rewards that differ), of those this process made, and per minute
     made = [(r["signal_groups"], r["groups_made"], r["signal_groups_per_min"]) for r in steps if "reward" in r]
     assert all(0 <= signal <= groups and groups >= 1 and per_min >= 0 for signal, groups, per_min in made), made
@@ -142,10 +146,15 @@ def _advantages(view: GroupView) -> list[float | None]:
     return [None if a is None else round(a, 6) for _, _, a, _ in view.episodes]
 
 
-async def _views_of_step(store: Store, step: int) -> list[tuple[str, float | None]]:
-    """The sessions (and their rewards) whose sequences the learner's view of `step` shows."""
+async def _views_of_step(store: Store, step: int) -> list[tuple[str, float | None, str | None]]:
+    """The sessions (their rewards and tasks) whose sequences the learner's view of `step` shows."""
     shown = [(s, await store.learner_views(s.id)) for s in await store.list_sessions()]
-    return [(s.id, s.outcome and s.outcome.reward) for s, found in shown for at, _ in found.values() if at == step]
+    return [
+        (s.id, s.outcome.reward if s.outcome else None, s.task_id)
+        for s, found in shown
+        for at, _ in found.values()
+        if at == step
+    ]
 
 
 async def _calls(store: Store, session_ids: list[str]) -> list[CallRecord]:
