@@ -215,6 +215,7 @@ class GroupReader:
             "allow_truncated_sampling": self.cfg.allow_truncated_sampling,
             "max_staleness": self.cfg.max_staleness,
             "min_calls": self.cfg.min_calls,
+            "warm_start": self.cfg.warm_start,  # the steps that were supervised (the viewer says so)
         }
         self.failing = 0  # groups in a row without one scored episode
         self.refused: str | None = None  # why the last episode refused for its sampling settings was
@@ -355,6 +356,7 @@ class GroupView:
     episodes: list[tuple[SessionInfo, float | None, float | None, Why]]  # session, reward, advantage, why
     step: int | None
     rule: RewardRule
+    supervised: bool = False  # taken by a warm-start step: its successes trained with weight 1
 
     @property
     def trained(self) -> bool:
@@ -372,7 +374,8 @@ async def group_view(store: Store, group: str) -> GroupView | None:
     if taken is None:
         return await would_train(store, sessions, rule, settings)
     by_id = {s.id: s for s in sessions}
-    return GroupView([(by_id[i], reward, a, why) for i, reward, a, why in taken[1] if i in by_id], taken[0], rule)
+    episodes = [(by_id[i], reward, a, why) for i, reward, a, why in taken[1] if i in by_id]
+    return GroupView(episodes, taken[0], rule, taken[0] < settings.get("warm_start", 0))
 
 
 async def would_train(

@@ -11,13 +11,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from harness_adapters.config import PythonHarness
+from proxy.server import AppThread
 from recorder import CallRecord, Completion, SessionInfo, Store
 from recorder.episodes import EpisodeOutcome
 from trainer.config import TrainConfig, TrainSection
 from trainer.groups import GroupReader, LoopState, TrainError, reward_rule, successes, would_train
+from trainer.viewer import create_app
 
 T0 = datetime(2026, 1, 1)
 
@@ -557,6 +560,7 @@ def test_the_warm_start_trains_on_the_successes_of_a_group_or_of_a_store(tmp_pat
                 for n, reward in enumerate(rewards):
                     await _episode(store, group, n, "0", reward)
             loop = _loop(tmp_path, store, LoopState(), steps=2, warm_start=1)
+            await loop.save_run()
             taken = [await loop.prepare(group, supervised=True) for group in ("mixed", "won", "lost")]
             found = await successes(store, loop.rule, 1.0, 1, set())
             return taken, found, await successes(store, loop.rule, 1.0, 1, {"t"}), loop.state
@@ -576,6 +580,11 @@ def test_the_warm_start_trains_on_the_successes_of_a_group_or_of_a_store(tmp_pat
         "won-3",
     ]
     assert heldout == []
+    # The viewer says what such a step did with each group.
+    with AppThread(create_app(str(tmp_path / "s.db"), decode=lambda ids: [str(i) for i in ids])) as viewer:
+        mixed_page, lost_page = (httpx.get(f"{viewer.url}/groups/{g}").text for g in ("mixed", "lost"))
+    assert "A warm-start step" in mixed_page and "Not trained" not in mixed_page
+    assert "Not trained</b>: no episode succeeded" in lost_page
 
 
 def test_a_warm_start_must_leave_steps_for_grpo_and_a_store_needs_one(tmp_path: Path) -> None:
