@@ -102,7 +102,8 @@ class TrainSection(Strict):
         0,
         ge=0,
         description="the first steps are supervised, on the successful episodes of the run's own groups "
-        "(rejection-sampling fine-tuning): the recorded sampled tokens' log-likelihood; then GRPO",
+        "(rejection-sampling fine-tuning): the recorded sampled tokens' log-likelihood; then GRPO (all of "
+        "them: expert iteration alone)",
     )
     warm_start_from: str | None = Field(
         None,
@@ -168,8 +169,8 @@ class TrainSection(Strict):
                 raise ValueError(f"lora: {exc}") from exc
         if self.warm_start_from is not None and not self.warm_start:
             raise ValueError("warm_start_from: set warm_start to the number of supervised steps to run on it")
-        if self.warm_start >= self.steps:
-            raise ValueError(f"warm_start: {self.warm_start} supervised steps leave none of the {self.steps} for GRPO")
+        if self.warm_start > self.steps:
+            raise ValueError(f"warm_start: {self.warm_start} supervised steps, and the run has {self.steps} in all")
         if self.sharding == "fsdp2" and (self.lora is not None or self.weight_sync == "nccl"):
             raise ValueError("sharding: fsdp2 is built for full fine-tuning with the swap from disk (no lora, no nccl)")
         if self.weight_sync == "nccl" and self.lora is not None:

@@ -587,8 +587,9 @@ def test_the_warm_start_trains_on_the_successes_of_a_group_or_of_a_store(tmp_pat
     assert "Not trained</b>: no episode succeeded" in lost_page
 
 
-def test_a_warm_start_must_leave_steps_for_grpo_and_a_store_needs_one(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="leave none of the 2 for GRPO"):
-        _config(tmp_path, steps=2, warm_start=2)
+def test_a_warm_start_fits_in_the_run_and_a_store_needs_one(tmp_path: Path) -> None:
+    assert _config(tmp_path, steps=2, warm_start=2).train.warm_start == 2  # expert iteration alone
+    with pytest.raises(ValueError, match="3 supervised steps, and the run has 2 in all"):
+        _config(tmp_path, steps=2, warm_start=3)
     with pytest.raises(ValueError, match="set warm_start"):
         _config(tmp_path, warm_start_from="runs/x/rl-proxy.db")
