@@ -123,6 +123,17 @@ def continued(sequences: list[TrainingSequence], calls: list[CallRecord]) -> lis
     return [q for q in sequences if all(span.choice == chosen.get(span.seq, 0) for span in q.spans)]
 
 
+def trained_sequences(
+    calls: list[CallRecord], session: SessionInfo, min_calls: int
+) -> tuple[str | None, list[TrainingSequence]]:
+    """An episode's sequences as the trainer trains them (aux calls and a superseded retry left
+    out, of a call's choices the one the episode went on with), or what makes its capture FATAL."""
+    checked = check(calls, session, min_calls)
+    if checked.grade.level == "FATAL":
+        return checked.grade.problems[0], []
+    return None, continued([q for q in checked.sequences if q.sampled_tokens], calls)
+
+
 def went_on_with(call: CallRecord, later: list[CallRecord]) -> int | None:
     """Which of a Chat Completions call's choices the first later call that extends its messages
     echoes back as the next message (compared as token-in compares an echo), if one does."""
@@ -258,12 +269,11 @@ class GroupReader:
                     reward, why = None, "sampling"
                 else:
                     # aux calls (another model: titles, side checks) and a superseded retry are left out
-                    checked = check(calls, s, self.config.train.min_calls)
-                    if checked.grade.level == "FATAL":
-                        log.warning("episode %s left out of training: %s", s.id, checked.grade.problems[0])
+                    fatal, sequences = trained_sequences(calls, s, self.config.train.min_calls)
+                    if fatal is not None:
+                        log.warning("episode %s left out of training: %s", s.id, fatal)
                         reward, why = None, "capture"
                     else:
-                        sequences = continued([q for q in checked.sequences if q.sampled_tokens], calls)
                         reward, why, lag = self.fresh(reward, why, sequences)
             elif why == "foreign":
                 log.warning("group %s: session %r joined it by its key, not from the runner: left out", group, s.id)
@@ -340,9 +350,8 @@ async def successes(
         if reward is None or reward < success_at or s.task_id in heldout:
             continue
         calls = [c async for c in store.iter_calls(s.id)]
-        checked = check(calls, s, min_calls)
-        sequences = continued([q for q in checked.sequences if q.sampled_tokens], calls)
-        if checked.grade.level != "FATAL" and sequences:
+        fatal, sequences = trained_sequences(calls, s, min_calls)
+        if fatal is None and sequences:
             found.append(sequences)
     return found
 

@@ -310,8 +310,7 @@ class Learner:
         advantages = {id(s.sequence): s.advantage for s in samples}  # the episodes', for the views
         if self.args.loss_type in ROW_MEANS:
             samples = [replace(s, advantage=s.advantage / episodes[s.sequence.session_id]) for s in samples]
-        parts, count = self._parts(samples)
-        num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
+        parts, count, num_items = self._parts(samples)
         for part in parts:
             batch = self.inputs(part, num_items)
             if self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
@@ -330,8 +329,8 @@ class Learner:
         over the batch's tokens. Not GRPO with advantage 1: that stops pulling once ratios clip."""
         import torch
 
-        parts, _ = self._parts(samples)
-        num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
+        parts, _, num_items = self._parts(samples)
+        advantages = {id(s.sequence): s.advantage for s in samples}  # for the views
         for part in parts:
             batch = self.inputs(part, num_items, terms=False)
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -341,22 +340,23 @@ class Learner:
             mask = batch["completion_mask"] * batch["tool_mask"]
             self._sums["gap"] += float(((logps.detach() - batch["sampling_per_token_logps"]).abs() * mask).sum())
             self._sums["tokens"] += float(mask.sum())
-            self._view(part, batch, {id(s.sequence): s.advantage for s in samples})
+            self._view(part, batch, advantages)
             yield -(logps * mask).sum() * self.world / max(num_items, 1)  # gradients are averaged over ranks
 
-    def _parts(self, samples: list[Sample]) -> tuple[list[list[Sample]], int]:
-        """This rank's micro-batches of a step, and how many there are over all ranks: rows of one
-        prompt together and of like lengths together (a part is mostly one group, run from its
-        shared prompt), parts of even sizes, as many on every rank, topped up with fillers to the
-        same number of rows (TRL gathers a value per row across the ranks)."""
+    def _parts(self, samples: list[Sample]) -> tuple[list[list[Sample]], int, int]:
+        """This rank's micro-batches, how many there are over all ranks, and the step's trained
+        tokens over all ranks (`num_items`): rows of one prompt together and of like lengths (a part
+        is mostly one group, run from its shared prompt), parts of even sizes, as many on every
+        rank, topped up with fillers to the same number of rows (TRL gathers a value per row)."""
         ordered = sorted(samples, key=lambda s: (s.sequence.input_ids[: s.split], len(s.sequence.input_ids)))
         count = -(-len(ordered) // self.micro_batch)
         count = -(-count // self.world) * self.world
         cuts = [i * len(ordered) // count for i in range(count + 1)]
         everyone = [ordered[a:b] for a, b in itertools.pairwise(cuts)]
         top = max(map(len, everyone)) if self.world > 1 else 0  # fillers: the part's prompt, weighing 0
-        mine = everyone[self.rank :: self.world]
-        return [part + [Sample((part or ordered)[0].sequence, 0.0, True)] * (top - len(part)) for part in mine], count
+        mine = [part + [Sample((part or ordered)[0].sequence, 0.0, True)] * (top - len(part)) for part in everyone]
+        num_items = sum(s.sequence.sampled_tokens for s in samples if not self._masked(s))
+        return mine[self.rank :: self.world], count, num_items
 
     def _view(self, part: list[Sample], batch: dict[str, Any], advantages: dict[int, float]) -> None:
         """Keep the learner's logprobs of the trained tokens of the step's first VIEWS_PER_STEP
