@@ -82,6 +82,7 @@ class LoopState:
     version: int = 0
     consumed: list[str] = field(default_factory=list)  # groups trained on or discarded
     skipped_equal: int = 0  # groups whose rewards were all equal
+    no_success: int = 0  # groups a warm-start step passed over: no episode succeeded
     dropped_stale: int = 0  # episodes older than max_staleness
     unscored: int = 0  # episodes with no call, or whose reward could not be computed
     foreign: int = 0  # sessions that joined a group by their key, not from the runner
@@ -291,6 +292,7 @@ class GroupReader:
         await self.store.save_group(group, self.config.run, self.state.step, shown)
         if values is None or all(a is None for a in values):
             self.state.skipped_equal += values is None and sum(reward is not None for _, reward, *_ in rows) >= 2
+            self.state.no_success += supervised
             return None
         kept = [(row, a) for row, a in zip(rows, values, strict=True) if a is not None and row[1] is not None]
         samples = [Sample(q, a) for (_, _, _, sequences, _), a in kept for q in sequences]

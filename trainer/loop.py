@@ -356,6 +356,7 @@ class TrainLoop:
             "staleness_mean": statistics.fmean(batch.staleness),
             "staleness_max": max(batch.staleness),
             "skipped_equal": self.state.skipped_equal,
+            "no_success": self.state.no_success,
             "dropped_stale": self.state.dropped_stale,
             "unscored": self.state.unscored,
             "foreign": self.state.foreign,

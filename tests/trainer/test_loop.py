@@ -570,7 +570,7 @@ def test_the_warm_start_trains_on_the_successes_of_a_group_or_of_a_store(tmp_pat
     assert [(s.sequence.session_id, s.advantage) for s in mixed[0]] == [("mixed-0", 1.0), ("mixed-3", 1.0)]
     assert mixed[1] == [1.0, 1.0] and len(won[0]) == 4
     assert won[0][0].sequence.loss_mask == [0, 0, 0, 1, 1, 0, 1]  # the sampled tokens only, as in GRPO
-    assert state.skipped_equal == 0
+    assert (state.skipped_equal, state.no_success) == (0, 1)  # "lost" is counted, as passed over
     assert sorted(q.session_id for episode in found for q in episode) == [
         "mixed-0",
         "mixed-3",
