@@ -4,6 +4,7 @@ vLLM launched here or of any upstream, or one already running) without training.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,11 +61,21 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
         )
         job = bar.add_task("episodes", total=total, rate="")
         finished: list[EpisodeResult] = []
+        said = time.monotonic()
 
         def done(result: EpisodeResult) -> None:
+            nonlocal said
             finished.append(result)
             wins = sum(r.success(config.success_at) for r in finished)
             bar.update(job, advance=1, rate=f"success {wins}/{len(finished)}")
+            # Off a terminal (a log) the bar shows only at the end: a line every 10 s instead.
+            if progress and not bar.console.is_terminal and (time.monotonic() - said > 10 or len(finished) == total):
+                said = time.monotonic()
+                elapsed = bar.tasks[job].elapsed or 0.0
+                bar.console.print(
+                    f"episodes {len(finished)}/{total}, success {wins}/{len(finished)} ({elapsed / 60:.1f} min)",
+                    highlight=False,
+                )
 
         results = asyncio.run(runner.run_all(tasks, config.episodes_per_task, done))
     path = out / "episodes.jsonl"

@@ -255,6 +255,7 @@ def test_collect_runs_the_shipped_example_and_prints_a_success_table(vllm: Upstr
     for task in load_tasks(EXAMPLE / "tasks.jsonl", "heldout"):
         assert f"│ {task.id} " in done.output
     assert "│ all " in done.output and "success = reward >= 1" in done.output
+    assert "episodes 12/12, success " in done.output  # off a terminal, lines instead of a bar
     assert "capture grades: FATAL 0, WARN 0" in done.output  # every episode's records usable as they are
     lines = (tmp_path / "out" / "episodes.jsonl").read_text().splitlines()
     assert len(lines) == 12 and all(json.loads(line)["status"] == "ok" for line in lines)
