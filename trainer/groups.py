@@ -341,11 +341,12 @@ class GroupReader:
 
 
 async def successes(
-    store: Store, rule: RewardRule, success_at: float, min_calls: int, heldout: set[str]
+    store: Store, rule: RewardRule, success_at: float, min_calls: int, heldout: set[str], vocab: int
 ) -> list[list[TrainingSequence]]:
     """The trained sequences of every successful episode in a store (a collect run's, a user's
     own), for the warm start: as the trainer builds them, FATAL captures and the `heldout`
-    tasks' episodes left out."""
+    tasks' episodes left out. A token id the model's tokenizer (`vocab` ids) does not have is
+    an error: the store was recorded with another model."""
     found = []
     for s in await store.list_sessions(min_reward=success_at):
         reward = s.training_reward(rule).value
@@ -354,6 +355,12 @@ async def successes(
         calls = [c async for c in store.iter_calls(s.id)]
         fatal, sequences = trained_sequences(calls, s, min_calls)
         if fatal is None and sequences:
+            top = max(max(q.input_ids) for q in sequences)
+            if top >= vocab:
+                raise TrainError(
+                    f"episode {s.id} holds token id {top}, and the model's tokenizer has {vocab}: "
+                    "its store was recorded with another model"
+                )
             found.append(sequences)
     return found
 

@@ -161,7 +161,8 @@ class TrainLoop:
                 heldout = {t.id for t in load_tasks(self.config.path(self.config.tasks))} - trained
                 async with Store(self.config.path(self.cfg.warm_start_from), readonly=True) as store:
                     rule, at = self.rollouts.rule, self.config.success_at
-                    self.recorded = await successes(store, rule, at, self.cfg.min_calls, heldout)
+                    vocab = len(self.learner.tokenizer)
+                    self.recorded = await successes(store, rule, at, self.cfg.min_calls, heldout, vocab)
                 if not self.recorded:
                     raise TrainError(f"warm_start_from: {self.cfg.warm_start_from} holds no successful episode")
                 random.Random(self.learner.args.seed).shuffle(self.recorded)

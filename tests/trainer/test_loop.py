@@ -562,8 +562,10 @@ def test_the_warm_start_trains_on_the_successes_of_a_group_or_of_a_store(tmp_pat
             loop = _loop(tmp_path, store, LoopState(), steps=2, warm_start=1)
             await loop.save_run()
             taken = [await loop.prepare(group, supervised=True) for group in ("mixed", "won", "lost")]
-            found = await successes(store, loop.rule, 1.0, 1, set())
-            return taken, found, await successes(store, loop.rule, 1.0, 1, {"t"}), loop.state
+            found = await successes(store, loop.rule, 1.0, 1, set(), vocab=13)
+            with pytest.raises(TrainError, match="token id 12, and the model's tokenizer has 12"):
+                await successes(store, loop.rule, 1.0, 1, set(), vocab=12)  # another model's store
+            return taken, found, await successes(store, loop.rule, 1.0, 1, {"t"}, vocab=13), loop.state
 
     (mixed, won, lost), found, heldout, state = asyncio.run(main())
     assert mixed is not None and won is not None and lost is None
