@@ -82,12 +82,9 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
             )
             return
         rollouts = "-" if row["rollout_reward"] is None else f"{row['rollout_reward']:.2f}"
+        passed = f"; {row['no_success']} groups without a success passed over" if row.get("no_success") else ""
         line = (
-            (
-                f"supervised (warm start; {row['no_success']} groups without a success passed over) "
-                if row.get("phase") == "sft"
-                else ""
-            )
+            (f"supervised (warm start{passed}) " if row.get("phase") == "sft" else "")
             + f"v{row['version']} rollout reward {rollouts} (trained groups {row['reward']:.2f}) "
             f"staleness {row['staleness_mean']:.1f} logprob gap {row.get('logprob_gap', 0.0):.3f} "
             f"{row['sequence_tokens_per_s']:.0f} tok/s "

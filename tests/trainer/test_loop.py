@@ -353,6 +353,10 @@ def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixtu
     [line] = capsys.readouterr().out.splitlines()  # one line in a log: it was wrapped at 80 columns
     assert "rollout reward 0.88 (trained groups 0.50)" in line and "failed 2" in line
     assert line.startswith("step 1/10") and line.endswith("(train 3 s, waited 1 s)")
+    # a warm-start step says so, and how many groups it passed over for want of a success
+    update(row | {"step": 2, "phase": "sft", "no_success": 3})
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.startswith("step 2/10 supervised (warm start; 3 groups without a success passed over) v1 ")
 
 
 def test_calls_sampled_otherwise_than_the_trainer_scores_are_refused_by_name(
