@@ -134,6 +134,12 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
         if evaluation
         else []
     )
+    start_from = config.train.warm_start_from and config.path(config.train.warm_start_from)
+    if start_from and "://" not in start_from and not Path(start_from).exists():
+        raise TrainError(
+            f"warm_start_from: no store at {start_from}: record the episodes to start from first "
+            "(`rl-proxy collect` of a config whose store that is; docs/training.md#how-a-step-is-made)"
+        )
     base = Path(resolve_model(config.proxy.model)[0])
     if not (base / "config.json").exists():
         raise TrainError(

@@ -269,6 +269,18 @@ def test_resuming_with_or_without_lora_against_the_checkpoint_is_refused(tmp_pat
         train(config, resume=True, progress=False)
 
 
+def test_a_warm_start_from_a_store_that_is_not_there_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from trainer.groups import TrainError
+    from trainer.run import train
+
+    (tmp_path / "t.jsonl").write_text('{"id": "a", "prompt": "p"}\n')
+    config = _config(tmp_path, steps=2, warm_start=1, warm_start_from=str(tmp_path / "collect" / "rl-proxy.db"))
+    config.tasks = str(tmp_path / "t.jsonl")
+    with pytest.raises(TrainError, match=r"warm_start_from: no store at .*collect/rl-proxy\.db: record"):
+        train(config, progress=False)
+    assert not (tmp_path / "collect").exists()
+
+
 def test_fp16_is_refused_by_name_on_every_device(tmp_path: Path) -> None:
     """On a GPU accelerate scaled the loss, but the optimizer was never unscaled: gradients stayed
     ~65536x too large and every step was clipped. Refused, as on CPU, whatever the device."""
