@@ -345,8 +345,8 @@ async def successes(
 ) -> list[list[TrainingSequence]]:
     """The trained sequences of every successful episode in a store (a collect run's, a user's
     own), for the warm start: as the trainer builds them, FATAL captures and the `heldout`
-    tasks' episodes left out. A token id the model's tokenizer (`vocab` ids) does not have is
-    an error: the store was recorded with another model."""
+    tasks' episodes left out. A token id the model does not have (`vocab` ids) is an error:
+    the store was recorded with another model."""
     found = []
     for s in await store.list_sessions(min_reward=success_at):
         reward = s.training_reward(rule).value
@@ -358,7 +358,7 @@ async def successes(
             top = max(max(q.input_ids) for q in sequences)
             if top >= vocab:
                 raise TrainError(
-                    f"episode {s.id} holds token id {top}, and the model's tokenizer has {vocab}: "
+                    f"episode {s.id} holds token id {top}, and the model's vocabulary has {vocab}: "
                     "its store was recorded with another model"
                 )
             found.append(sequences)

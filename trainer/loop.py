@@ -161,7 +161,7 @@ class TrainLoop:
                 heldout = {t.id for t in load_tasks(self.config.path(self.config.tasks))} - trained
                 async with Store(self.config.path(self.cfg.warm_start_from), readonly=True) as store:
                     rule, at = self.rollouts.rule, self.config.success_at
-                    vocab = len(self.learner.tokenizer)
+                    vocab = self.learner.model.config.vocab_size  # its embedding's rows (a tokenizer may have fewer)
                     self.recorded = await successes(store, rule, at, self.cfg.min_calls, heldout, vocab)
                 if not self.recorded:
                     raise TrainError(f"warm_start_from: {self.cfg.warm_start_from} holds no successful episode")

@@ -579,7 +579,7 @@ def test_the_warm_start_trains_on_the_successes_of_a_group_or_of_a_store(tmp_pat
             await loop.save_run()
             taken = [await loop.prepare(group, supervised=True) for group in ("mixed", "won", "lost")]
             found = await successes(store, loop.rule, 1.0, 1, set(), vocab=13)
-            with pytest.raises(TrainError, match="token id 12, and the model's tokenizer has 12"):
+            with pytest.raises(TrainError, match="token id 12, and the model's vocabulary has 12"):
                 await successes(store, loop.rule, 1.0, 1, set(), vocab=12)  # another model's store
             return taken, found, await successes(store, loop.rule, 1.0, 1, {"t"}, vocab=13), loop.state
 
