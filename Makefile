@@ -122,7 +122,7 @@ bench-scale: install
 # (hours on 2 cores; a seed that finished is not run again).
 soak-learning: install system
 	$(PY) -m benchmarks.learning harness_adapters/examples/arithmetic/train.yaml --seeds 1 2 3
-	test -e runs/shell/rl-proxy.db || $(PY) -m trainer.cli collect harness_adapters/examples/shell/collect.yaml  # the warm start's episodes
+	test -e runs/shell-collect/rl-proxy.db || $(PY) -m trainer.cli collect harness_adapters/examples/shell/collect.yaml  # the warm start's episodes
 	$(PY) -m benchmarks.learning harness_adapters/examples/shell/train.yaml --seeds 1 2 3
 
 # Real Claude Code sessions with subagents and a compaction, placed by the session graph: calls

@@ -82,7 +82,7 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
             )
             return
         rollouts = "-" if row["rollout_reward"] is None else f"{row['rollout_reward']:.2f}"
-        passed = f"; {row['no_success']} groups without a success passed over" if row.get("no_success") else ""
+        passed = f"; {row['no_success']} groups without a success passed over so far" if row.get("no_success") else ""
         line = (
             (f"supervised (warm start{passed}) " if row.get("phase") == "sft" else "")
             + f"v{row['version']} rollout reward {rollouts} (trained groups {row['reward']:.2f}) "
@@ -135,10 +135,11 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
         else []
     )
     start_from = config.train.warm_start_from and config.path(config.train.warm_start_from)
-    if start_from and "://" not in start_from and not Path(start_from).exists():
+    warming = (state.step if state else 0) < config.train.warm_start
+    if warming and start_from and "://" not in start_from and not Path(start_from).expanduser().exists():
         raise TrainError(
             f"warm_start_from: no store at {start_from}: record the episodes to start from first "
-            "(`rl-proxy collect` of a config whose store that is; docs/training.md#how-a-step-is-made)"
+            "(`rl-proxy collect` with a config whose store it is; docs/training.md#how-a-step-is-made)"
         )
     base = Path(resolve_model(config.proxy.model)[0])
     if not (base / "config.json").exists():
