@@ -278,6 +278,12 @@ def test_a_warm_start_from_a_store_that_is_not_there_is_refused_before_anything_
     config.tasks = str(tmp_path / "t.jsonl")
     with pytest.raises(TrainError, match=r"warm_start_from: no store at .*collect/rl-proxy\.db: record"):
         train(config, progress=False)
+    # resumed past the warm start, the store is not needed: it stops later, at the empty checkpoint
+    (tmp_path / "versions" / "v1").mkdir(parents=True)
+    LoopState(step=1, version=1).save(tmp_path / "versions" / "v1" / "state.json")
+    with pytest.raises((OSError, ValueError)) as raised:
+        train(config, resume=True, progress=False)
+    assert "warm_start_from" not in str(raised.value)
 
 
 def test_fp16_is_refused_by_name_on_every_device(tmp_path: Path) -> None:
