@@ -241,6 +241,12 @@ def async_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+def missing(url: str) -> bool:
+    """Whether a store given as a plain path (not a URL) is not there: a SQLite file is created
+    on first write, so a reader checks first, to name a mistyped path."""
+    return "://" not in url and not Path(url).expanduser().exists()
+
+
 def sync_url(url: str) -> str:
     """The same database through a synchronous driver, for the writer thread."""
     parsed = make_url(async_url(url))

@@ -24,6 +24,7 @@ from proxy.model import ModelNotAvailable, prepare_default_model, resolve_model
 from proxy.server import stop_on_sigterm
 from proxy.vllm import BackendError
 from recorder.errors import SchemaMismatch
+from recorder.schema import missing
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import TrainError
@@ -159,7 +160,7 @@ def ui(
             pass
 
     try:
-        if "://" not in store and not Path(store).exists():
+        if missing(store):
             raise SchemaMismatch(f"no store at {store}")
         asyncio.run(check())
     except SchemaMismatch as exc:

@@ -23,6 +23,7 @@ from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
 from proxy.model import resolve_model
 from proxy.upstream import Upstreams
+from recorder.schema import missing
 from recorder.store import Store
 from trainer.config import TrainConfig
 from trainer.groups import LoopState, TrainError, reward_rule
@@ -136,7 +137,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
     )
     start_from = config.train.warm_start_from and config.path(config.train.warm_start_from)
     warming = (state.step if state else 0) < config.train.warm_start
-    if warming and start_from and "://" not in start_from and not Path(start_from).expanduser().exists():
+    if warming and start_from and missing(start_from):
         raise TrainError(
             f"warm_start_from: no store at {start_from}: record the episodes to start from first "
             "(`rl-proxy collect` with a config whose store it is; docs/training.md#how-a-step-is-made)"
