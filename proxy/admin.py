@@ -44,6 +44,7 @@ class SessionCreate(BaseModel, extra="forbid"):
     run: Label | None = None
     task_id: Label | None = None
     group_id: Label | None = None
+    policy_model: Label | None = None
     metadata: JsonObject = Field(default_factory=dict)
     sampling: Sampling | None = None
 
@@ -161,6 +162,7 @@ async def create_session(body: SessionCreate, request: Request) -> dict[str, Any
         run=body.run,
         task_id=body.task_id,
         group_id=body.group_id,
+        policy_model=body.policy_model,
         metadata=body.metadata,
         sampling=body.sampling,
     )

@@ -56,11 +56,19 @@ class AdminClient:
         run: str | None = None,
         task_id: str | None = None,
         group_id: str | None = None,
+        policy_model: str | None = None,
         metadata: dict[str, Any] | None = None,
         sampling: Sampling | None = None,
     ) -> SessionInfo:
         """A new session, with its key (the API key its harness uses)."""
-        asked = SessionCreate(run=run, task_id=task_id, group_id=group_id, metadata=metadata or {}, sampling=sampling)
+        asked = SessionCreate(
+            run=run,
+            task_id=task_id,
+            group_id=group_id,
+            policy_model=policy_model,
+            metadata=metadata or {},
+            sampling=sampling,
+        )
         return await self._session("POST", "/admin/sessions", asked.model_dump(mode="json", exclude_none=True))
 
     async def session(self, session_id: str) -> SessionInfo:

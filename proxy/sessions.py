@@ -3,7 +3,8 @@
 In order of precedence: a `/s/{session}/v1/...` path prefix, an `X-Session-Id` header, the API
 key (`Authorization: Bearer KEY` or `x-api-key: KEY`). A key may carry the session's labels as
 comma-separated `name=value` pairs, for example `run=exp1,task=t7,group=t7-a,id=ep3`: `id` names
-the session, `run`, `task` and `group` label it, other names go to its metadata. Keys issued by
+the session, `run`, `task` and `group` label it, `model` names its policy model (the name its
+harness's own work asks for: recorder/graph.py), other names go to its metadata. Keys issued by
 the admin API are opaque and map to their session.
 
 A key is a credential, and harnesses often send a real provider key: the store keeps only its
@@ -24,7 +25,7 @@ from proxy.errors import BadRequest
 from recorder import SessionInfo
 
 DEFAULT_SESSION = "default"
-LABELS = {"run": "run", "task": "task_id", "group": "group_id"}
+LABELS = {"run": "run", "task": "task_id", "group": "group_id", "model": "policy_model"}
 SECRET_PREFIXES = ("sk-", "sk_", "rlp-", "rk-", "pk-", "xai-", "gsk_", "hf_", "AIza", "ghp_", "github_pat_")
 MAX_NAMING_KEY = 48  # provider keys are longer (OpenAI's 51 and more, Anthropic's about 108)
 MAX_LABEL = 256  # the store's column width
@@ -74,6 +75,7 @@ def parse_key(key: str) -> SessionInfo:
         run=fields.get("run"),
         task_id=fields.get("task_id"),
         group_id=fields.get("group_id"),
+        policy_model=fields.get("policy_model"),
         metadata=metadata,
     )
 

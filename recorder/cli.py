@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,10 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recorder import SessionInfo, Store
-from recorder.graph import delivery, edge_counts
+from recorder.graph import build, delivery, edge_counts
 from recorder.paths import default_db, default_model_dir
 from recorder.report import session_lines, summarise
-from recorder.trajectories import build_sequences
 from recorder.validation import check
 
 app = typer.Typer(help="Inspect and export recorded sessions.")
@@ -126,7 +126,7 @@ def sessions_show(session_id: str, db: DbOption = None, tokenizer: TokenizerOpti
     if not calls:
         console.print("[yellow]no calls recorded: does the harness use the proxy's base URL?[/yellow]")
         return
-    report = build_sequences(calls, info)
+    report = replace(build(calls, info).trained, calls=len(calls))  # the sequences the trainer takes
     decode = _decoder(tokenizer) if report.breaks else None
     console.print("\n".join(session_lines(report, decode)), markup=False, highlight=False)
 
@@ -141,10 +141,10 @@ def report(db: DbOption = None, run: Annotated[str | None, typer.Option(help="on
         reached = sampled = chain = 0
         for s in sessions:
             calls = [c async for c in store.iter_calls(s.id)]
-            reports.append(build_sequences(calls, s))
             checked = check(calls, s)
+            reports.append(replace(checked.graph.trained, calls=len(calls)))
             edges.update(edge_counts(checked.placements))
-            got, meant, longest = delivery(calls, checked.placements)
+            got, meant, longest = delivery(calls, checked.graph)
             reached, sampled, chain = reached + got, sampled + meant, chain + longest
             grades[checked.grade.level] += 1
         return summarise(reports, {s.id: s.reward for s in sessions}, edges, (reached, sampled, chain), grades)

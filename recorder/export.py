@@ -18,10 +18,10 @@ from typing import Any
 
 import orjson
 
-from recorder.graph import Placement, place
+from recorder.graph import Placement, build
 from recorder.records import CallRecord, Completion, SessionInfo
 from recorder.store import Store
-from recorder.trajectories import TrainingSequence, build_sequences
+from recorder.trajectories import TrainingSequence
 
 KINDS = ("calls", "rl", "sft")
 FORMATS = ("jsonl", "parquet", "hf")
@@ -152,15 +152,18 @@ async def rows(
         if on_session is not None:
             on_session(len(sessions))
         calls = [c async for c in store.iter_calls(session.id)]
-        placed = {p.seq: p for p in place(calls)}  # the whole session's graph, before the filter
-        calls = [c for c in calls if where.call(c)]
+        # The whole session's graph, before the filter: what is trained is decided there alone.
+        graph = build(calls, session, await store.call_rewards(session.id), merge)
+        placed = {p.seq: p for p in graph.placements}
         if kind == "calls":
             for call in calls:
-                yield call_json(call, placed[call.seq])
+                if where.call(call):
+                    yield call_json(call, placed[call.seq])
             continue
-        report = build_sequences(calls, session, merge=merge, call_rewards=await store.call_rewards(session.id))
         by_seq = {c.seq: c for c in calls}
-        for seq in report.sequences:
+        for seq in [*graph.trained.sequences, *graph.aside.sequences]:
+            if not all(where.call(by_seq[n]) for n in seq.calls):
+                continue
             row = sequence_json(seq, placed[seq.spans[0].seq]) if kind == "rl" else sft_json(seq, by_seq)
             if row is not None:
                 yield row

@@ -1,4 +1,9 @@
-"""A session as a graph: where each recorded call belongs, and why.
+"""A session as a graph: where each recorded call belongs, why, and what of it is trained.
+
+This is the one place that decides which tokens are trained: `build` places a session's calls
+and builds its training sequences from the ids of the calls placed to be trained, and nothing
+else; the trainer, the exports, the viewer, `would_train` and the capture grades all take them
+from there.
 
 A harness session is not one thread. Token-in joins a call to the one whose answer it continues
 (`continue`, or `fork` for a second call continuing the same answer); anything else starts a new
@@ -6,39 +11,43 @@ sequence, and it is placed here by what links it to the calls before it, read fr
 alone (so it works on any store, whatever proxy served the calls):
 
 - `retry`: the same request as an earlier call, and the same prompt ids where both have them
-  (the same conversation, tools and settings, no new message: an SDK's retry, sent again after
-  a timeout, answered or not): linked to it.
-  Only one of the two is trained: the one a later call continued; if neither was continued,
-  the retry (the harness sent it because the original's answer never reached it).
+  (the same conversation, tools and settings, no new message), unless a later call continued
+  both (a deliberate repeat: the same subagent prompt before and after a fix). Of a set of equal
+  requests only those a later call continued are trained (best of 3: the answers thrown away are
+  not); if none was, the last (an SDK's retry after a timeout: the first answer never reached
+  the harness, or it failed, 499 or 5xx).
 - `subagent`: a new conversation whose first user message (or a text part of it) is a string
   argument of a tool call sampled earlier in the session (Claude Code's Agent tool and its
   like): linked to that call.
 - `compaction`: a new conversation whose first messages carry an answer sampled earlier (the
   summary; not one the model copied from its own prompt), linked to the call that sampled it.
-- `new`: none of these, with the reason; "ambiguous" when more than one link fits (a graph
+  When the subagent and the compaction rule point at the same call (an Agent prompt quoting
+  the answer's text), it is a subagent.
+- `new`: none of these, with the reason; "ambiguous" when links to different calls fit (a graph
   never joins wrongly).
 
-Each call also gets a purpose: `aux` for a call to another model than the session's policy
-model (the model most of its calls outside branches ask for) that nothing links to the work
-(a harness's small fast model writing titles or checking topics), or for a lone one-turn
-conversation without tools in a session whose calls offer them, that no call continues or starts
-from (Claude Code 2.1.197 writes a session's title so, on the main model), else `train`. A subagent's
-or compaction's branch is `train` whatever model it asks (Claude Code runs a subagent on the
-model its Agent call names), and a chain keeps its first call's purpose. `aux` calls are
-placed and exported, never trained by default.
+Each call also gets a purpose. A linked call (continue, fork, retry, subagent, compaction) has
+the purpose of the call it is linked to, whatever model it asks for (Claude Code runs a
+subagent on the model its Agent call names). An unlinked call is `aux` when the session names
+its policy model (`SessionInfo.policy_model`: the runner's model, or the key's `model=`) and it
+asks for another (a harness's small fast model writing titles or checking topics), or when it is
+a side call by what it is: a lone one-turn conversation without tools in a session whose calls
+offer them, that no call continues or starts from (Claude Code 2.1.197 writes a session's title
+so, on the main model); else `train`. Never a vote by how many calls each model name has.
+`aux` calls are placed and exported, never trained.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
 
-from recorder.records import CallRecord
-from recorder.trajectories import build_sequences
+from recorder.records import CallRecord, SessionInfo
+from recorder.trajectories import SessionReport, build_sequences
 
 Edge = Literal["continue", "fork", "retry", "subagent", "compaction", "new"]
 Purpose = Literal["train", "aux"]
@@ -125,15 +134,9 @@ def _sampled_texts(call: CallRecord, said: list[tuple[str, str]]) -> list[str]:
     return [t for t in texts if len(t) >= MIN_LINK_TEXT and t not in prompt]
 
 
-def policy_model(calls: list[CallRecord]) -> str | None:
-    """The model most of the session's calls ask for (the earliest of those tied)."""
-    counts = Counter(c.model for c in calls)
-    return max(counts, key=lambda m: (counts[m], -next(i for i, c in enumerate(calls) if c.model == m)), default=None)
-
-
 @dataclass(frozen=True)
 class _Facts:
-    """What placing needs of a call, read once (placing compares every call with the earlier ones)."""
+    """What placing needs of a call, read once."""
 
     asked: bytes  # digest of its request (_asked)
     messages: list[str] | None  # its thread's message digests
@@ -150,80 +153,125 @@ def _facts(call: CallRecord) -> _Facts:
     return _Facts(digest, messages, _string_arguments(call), _sampled_texts(call, said), said)
 
 
-def place(calls: list[CallRecord]) -> list[Placement]:
-    """Every call of one session placed, in call order."""
+Link = tuple[Edge, int | None, str | None]
+
+
+class _Earlier:
+    """The calls placed so far, indexed for the links a later call may have (so that placing a
+    session is linear in its calls, not quadratic: 2,000 calls are an ordinary Claude Code day)."""
+
+    def __init__(self) -> None:
+        self.calls: list[CallRecord] = []
+        self.facts: dict[int, _Facts] = {}
+        self.by_id: dict[str, int] = {}
+        self.by_request: dict[bytes, list[CallRecord]] = {}
+        self.by_argument: dict[str, int] = {}  # a tool call's string argument: the latest call that sampled it
+
+    def add(self, call: CallRecord, facts: _Facts) -> None:
+        self.calls.append(call)
+        self.facts[call.seq] = facts
+        if call.call_id is not None:
+            self.by_id[call.call_id] = call.seq
+        self.by_request.setdefault(facts.asked, []).append(call)
+        self.by_argument |= dict.fromkeys(facts.arguments, call.seq)
+
+
+def place(calls: list[CallRecord], policy: str | None = None) -> list[Placement]:
+    """Every call of one session placed, in call order. `policy` is the model name the session's
+    own work asks for (`SessionInfo.policy_model`), if the runner or the key named it."""
     ordered = sorted(calls, key=lambda c: c.seq)
-    facts = {c.seq: _facts(c) for c in ordered}
-    links = {c.seq: _link(c, ordered[:i], facts) for i, c in enumerate(ordered)}
-    # A branch (a subagent's or compaction's, and what continues it) serves the work it is linked
-    # to, whatever model it asks: Claude Code runs a subagent on the model its Agent call names.
-    # So the policy model is the one the calls outside branches ask for most.
-    branch: dict[int, bool] = {}
-    for seq, (edge, parent, _) in links.items():
-        branch[seq] = edge in ("subagent", "compaction") or (parent is not None and branch.get(parent, False))
-    policy = policy_model([c for c in ordered if not branch[c.seq]])
-    # A side call on the policy model itself (Claude Code's title, written before its main loop):
-    # a lone one-turn conversation without tools in a session whose other calls offer them, that
-    # no call continues or starts from (a harness's last turn sent without tools has turns before).
+    earlier = _Earlier()
+    links: dict[int, Link] = {}
+    same: dict[int, list[CallRecord]] = {}  # earlier calls of the same request and prompt
+    for call in ordered:
+        facts = _facts(call)
+        links[call.seq] = _link(call, facts, earlier)
+        same[call.seq] = [c for c in earlier.by_request.get(facts.asked, []) if _same_prompt(c, call)]
+        earlier.add(call, facts)
+    continued = {parent for edge, parent, _ in links.values() if edge in ("continue", "fork")}
+    # Equal requests: each a retry of the one before, unless the harness went on with both (a
+    # deliberate repeat, linked as any call). Of a set, the ones a later call continued are
+    # trained; if none was, the last (its original's answer never reached the harness, a guess).
+    first: dict[int, int] = {}
+    for call in ordered:
+        repeats = same[call.seq]
+        first[call.seq] = first[repeats[0].seq] if repeats else call.seq
+        if repeats and not {repeats[-1].seq, call.seq} <= continued:
+            links[call.seq] = ("retry", repeats[-1].seq, None)
+    sets: dict[int, list[int]] = {}
+    for seq, head in first.items():
+        sets.setdefault(head, []).append(seq)
+    dropped = {
+        seq
+        for members in sets.values()
+        for seq in members
+        if seq not in ([m for m in members if m in continued] or members[-1:])
+    }
+    # A side call by what it is: a lone one-turn conversation without tools in a session whose
+    # calls offer them, that no call continues or starts from (a harness's title, written on the
+    # policy model itself by Claude Code 2.1.197; a last turn sent without tools has turns before).
     parents = {parent for edge, parent, _ in links.values() if edge != "retry"}
     with_tools = any(c.request.get("tools") for c in ordered)
     placed: dict[int, Placement] = {}
     for call in ordered:
         edge, parent, reason = links[call.seq]
-        one_turn = all(role in ("system", "user") for role, _ in facts[call.seq].said)
-        aside = edge == "new" and with_tools and one_turn and not call.request.get("tools") and call.seq not in parents
-        purpose: Purpose = "train" if branch[call.seq] or (call.model == policy and not aside) else "aux"
-        if edge in ("continue", "fork", "retry") and parent in placed:  # a chain keeps its first call's purpose
+        if parent is not None and parent in placed:  # a branch trains with what links it, whatever its model
             purpose = placed[parent].purpose
+        else:
+            one_turn = all(role in ("system", "user") for role, _ in earlier.facts[call.seq].said)
+            aside = with_tools and one_turn and not call.request.get("tools") and call.seq not in parents
+            other = policy is not None and call.model != policy
+            purpose = "aux" if aside or other else "train"
         root = placed[parent].root if edge == "continue" and parent in placed else call.seq
-        placed[call.seq] = Placement(call.seq, root, parent, edge, reason, purpose, purpose == "train")
-    return _resolve_retries(list(placed.values()))
+        trained = purpose == "train" and call.seq not in dropped
+        placed[call.seq] = Placement(call.seq, root, parent, edge, reason, purpose, trained)
+    return list(placed.values())
 
 
-def _link(call: CallRecord, earlier: list[CallRecord], facts: dict[int, _Facts]) -> tuple[Edge, int | None, str | None]:
-    mine = facts[call.seq]
-    # First: a re-send continues whatever the original continued, so token-in joins it as a fork.
-    same = [c for c in earlier if facts[c.seq].asked == mine.asked and _same_prompt(c, call)]
-    if same:
-        return "retry", same[-1].seq, None
+def _link(call: CallRecord, mine: _Facts, earlier: _Earlier) -> Link:
     continued = (call.thread or {}).get("continues") or {}
-    by_id = {c.call_id: c.seq for c in earlier}
     fork = (call.thread_start or "").startswith("a fork")
-    if call.token_in and continued.get("call") in by_id:  # what the proxy planned it on
-        return ("fork" if fork else "continue"), by_id[continued["call"]], None
+    if call.token_in and continued.get("call") in earlier.by_id:  # what the proxy planned it on
+        return ("fork" if fork else "continue"), earlier.by_id[continued["call"]], None
     if call.token_in and mine.messages:  # recorded before the proxy said (schema 9's first records)
         # the longest earlier conversation this one extends by the answer and more
         parents = [
             c
-            for c in earlier
-            if (theirs := facts[c.seq].messages)
+            for c in earlier.calls
+            if (theirs := earlier.facts[c.seq].messages)
             and len(theirs) < len(mine.messages)
             and mine.messages[: len(theirs)] == theirs
         ]
         if parents:
-            parent = max(parents, key=lambda c: (len(facts[c.seq].messages or []), c.seq))
+            parent = max(parents, key=lambda c: (len(earlier.facts[c.seq].messages or []), c.seq))
             return ("fork" if fork else "continue"), parent.seq, None
     # A prompt that is an earlier call's tokens and more: one sequence, as trajectories merge it.
     # Those calls are a chain, each extending the one before: the latest is the longest.
-    extended = next((c for c in reversed(earlier) if c.completions and _extends(call, c)), None)
-    if extended is not None:
-        return "continue", extended.seq, None
+    if call.prompt_token_ids:
+        extended = next((c for c in reversed(earlier.calls) if c.completions and _extends(call, c)), None)
+        if extended is not None:
+            return "continue", extended.seq, None
     links: list[tuple[Edge, int, str]] = []
-    first_user = first_user_parts(call.request)
+    served = sorted(p for p in first_user_parts(call.request) if p in earlier.by_argument)
+    if served:  # the latest call whose tool call carried it
+        argument = max(served, key=lambda p: earlier.by_argument[p])
+        links.append(("subagent", earlier.by_argument[argument], argument))
     carried = [text for role, text in mine.said[:3] if role != "assistant"]
-    for before in reversed(earlier):
-        if served := first_user & facts[before.seq].arguments:
-            links.append(("subagent", before.seq, min(served)))
-            break
-    for before in reversed(earlier):
-        if summary := next((t for t in facts[before.seq].texts if any(t in text for text in carried)), None):
+    for before in reversed(earlier.calls):
+        if summary := next((t for t in earlier.facts[before.seq].texts if any(t in text for text in carried)), None):
             links.append(("compaction", before.seq, summary))
             break
+    if len(links) == 2 and links[0][1] == links[1][1]:  # a subagent's prompt that carries its parent's text
+        links = links[:1]
     if len(links) == 1:
         return links[0]
     if links:
         return "new", None, "ambiguous: " + " or ".join(f"{edge} of call {seq}" for edge, seq, _ in links)
-    return "new", None, call.thread_start or ("no link to an earlier call" if earlier else "first call of the session")
+    return (
+        "new",
+        None,
+        call.thread_start or ("no link to an earlier call" if earlier.calls else "first call of the session"),
+    )
 
 
 def _same_prompt(a: CallRecord, b: CallRecord) -> bool:
@@ -238,23 +286,6 @@ def _extends(call: CallRecord, before: CallRecord) -> bool:
     prompt, answer, ids = before.prompt_token_ids, before.completions[0].token_ids, call.prompt_token_ids
     end = len(prompt) + len(answer)
     return bool(prompt) and len(ids) > end and ids[len(prompt) : end] == answer and ids[: len(prompt)] == prompt
-
-
-def _resolve_retries(placements: list[Placement]) -> list[Placement]:
-    """Of a call and its retry, keep training the one a later call continued (or forked); if
-    neither was, the retry."""
-    continued = {p.parent for p in placements if p.edge in ("continue", "fork")}
-    by_seq = {p.seq: p for p in placements}
-    for p in placements:
-        if p.edge != "retry" or p.parent is None:
-            continue
-        original = by_seq[p.parent]
-        keep_original = original.seq in continued and p.seq not in continued
-        drop = p if keep_original else original
-        by_seq[drop.seq] = Placement(
-            drop.seq, drop.root, drop.parent, drop.edge, drop.reason, drop.purpose, trained=False
-        )
-    return [by_seq[p.seq] for p in placements]
 
 
 @dataclass(frozen=True)
@@ -292,14 +323,52 @@ def edge_counts(placements: list[Placement]) -> dict[str, int]:
     return {edge: counts.get(edge, 0) for edge in EDGES} | {"aux": sum(p.purpose == "aux" for p in placements)}
 
 
-def delivery(calls: list[CallRecord], placements: list[Placement]) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class SessionGraph:
+    """A session placed, and what is trained of it: the one place that decides it. `trained` is
+    built from the ids of the calls placed to be trained and nothing else; `aside` from the
+    others' (aux calls, the untrained one of a retry pair), for the exports and the viewer. Each
+    placement's `root` is the first call of the sequence that holds it."""
+
+    placements: list[Placement]
+    trained: SessionReport
+    aside: SessionReport
+    policy: str | None  # the policy model, if the session names it
+
+    @property
+    def trained_calls(self) -> set[int]:
+        return {p.seq for p in self.placements if p.trained}
+
+
+def build(
+    calls: list[CallRecord],
+    session: SessionInfo | None = None,
+    call_rewards: dict[int, float] | None = None,
+    merge: bool = True,
+) -> SessionGraph:
+    """A session's graph and its sequences (`merge=False`: one sequence per call)."""
+    placements = place(calls, session.policy_model if session else None)
+    keep = {p.seq for p in placements if p.trained}
+    trained = build_sequences([c for c in calls if c.seq in keep], session, merge, call_rewards)
+    aside = build_sequences([c for c in calls if c.seq not in keep], session, merge, call_rewards)
+    numbered = [replace(q, chain=len(trained.sequences) + q.chain) for q in aside.sequences]  # one count a session
+    aside = replace(aside, sequences=numbered)
+    root: dict[int, int] = {}
+    for report in (trained, aside):
+        for q in report.sequences:
+            for span in q.spans:
+                root.setdefault(span.seq, q.spans[0].seq)  # an n > 1 call's other choices share its prefix
+    placements = [replace(p, root=root.get(p.seq, p.root)) for p in placements]
+    return SessionGraph(placements, trained, aside, session.policy_model if session else None)
+
+
+def delivery(calls: list[CallRecord], graph: SessionGraph) -> tuple[int, int, int]:
     """(sampled tokens that reach a training sequence, sampled tokens of the calls placed to be
     trained, those in the longest sequence alone): what the capture lost of what should be
     trained (failed or skipped calls, ids missing), and what keeping one chain per episode (as
     NeMo Gym's capture and verl's keep-the-longest do) would deliver. Aux calls and the
     untrained one of a retry pair are in none."""
-    trained = {p.seq for p in placements if p.trained}
-    kept = [c for c in calls if c.seq in trained]
-    sampled = sum(len(choice.token_ids) for c in kept for choice in c.completions)
-    reached = [s.sampled_tokens for s in build_sequences(kept).sequences]
+    trained = graph.trained_calls
+    sampled = sum(len(choice.token_ids) for c in calls if c.seq in trained for choice in c.completions)
+    reached = [s.sampled_tokens for s in graph.trained.sequences]
     return sum(reached), sampled, max(reached, default=0)

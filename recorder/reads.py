@@ -29,6 +29,7 @@ def session_info(row: SessionRow, reward: float | None = None, calls: int = 0, f
         run=row.run,
         task_id=row.task_id,
         group_id=row.group_id,
+        policy_model=row.policy_model,
         metadata=dict(row.meta or {}),
         status=row.status if row.status in get_args(SessionStatus) else "ended",  # type: ignore[arg-type]
         created_at=row.created_at,

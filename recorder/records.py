@@ -98,6 +98,9 @@ class SessionInfo:
     run: str | None = None
     task_id: str | None = None
     group_id: str | None = None
+    # The model name the harness's own work asks for (the runner's, or the key's `model=`): its
+    # calls to any other name that nothing links to the work are side calls (recorder/graph.py).
+    policy_model: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     status: SessionStatus = "active"
     created_at: datetime | None = None

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 # From version N to N + 1: plain SQL that SQLite and PostgreSQL both run, or, where SQL cannot
 # say it (hashing), a function given the connection.
@@ -54,6 +54,7 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
     ],
     8: ["ALTER TABLE calls ADD COLUMN thread JSON"],  # token-in's state, for other proxies and restarts
     9: [],  # learner_views: a new table, made by create_all
+    10: ["ALTER TABLE sessions ADD COLUMN policy_model VARCHAR(256)"],  # what the session graph trains
 }
 
 
@@ -146,6 +147,7 @@ class SessionRow(Base):
     run: Mapped[str | None] = mapped_column(String(256), index=True)
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     group_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    policy_model: Mapped[str | None] = mapped_column(String(256))
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), default="active", index=True)
     created_at: Mapped[datetime] = mapped_column(index=True)

@@ -237,6 +237,7 @@ class Store(Reads):
             "run": info.run,
             "task_id": info.task_id,
             "group_id": info.group_id,
+            "policy_model": info.policy_model,
             "metadata": info.metadata,
             "sampling": None if info.sampling is None else info.sampling.model_dump(exclude_none=True),
             "status": created.status,

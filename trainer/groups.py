@@ -16,6 +16,7 @@ group is stored (`Store.save_group`), and so are the run's rule and settings.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import defaultdict
@@ -65,7 +66,9 @@ RESHAPING = (
 )
 
 # Reasons an episode has no reward at all, as against one the trainer dropped after scoring it.
-DROPPED_BEFORE_SCORING = ("infra", "unscored", "foreign", "sampling", "capture")
+# An episode with nothing to train ("empty": every call aux, say) is one too: a run of only those
+# would make groups forever without a step.
+DROPPED_BEFORE_SCORING = ("infra", "unscored", "foreign", "sampling", "capture", "empty")
 
 log = logging.getLogger("rl_proxy.trainer")
 
@@ -126,13 +129,16 @@ def continued(sequences: list[TrainingSequence], calls: list[CallRecord]) -> lis
 
 def trained_sequences(
     calls: list[CallRecord], session: SessionInfo, min_calls: int
-) -> tuple[str | None, list[TrainingSequence]]:
-    """An episode's sequences as the trainer trains them (aux calls and a superseded retry left
-    out, of a call's choices the one the episode went on with), or what makes its capture FATAL."""
+) -> tuple[str | None, list[TrainingSequence], list[CallRecord]]:
+    """An episode's sequences as the trainer trains them (the session graph's, recorder/graph.py:
+    aux calls and a superseded retry left out; of a call's choices the one the episode went on
+    with), or what makes its capture FATAL; and the calls they are made of (only those decide
+    whether the episode can be trained on as sampled: `sampling_refused`)."""
     checked = check(calls, session, min_calls)
+    trained = [c for c in calls if c.seq in checked.graph.trained_calls]
     if checked.grade.level == "FATAL":
-        return checked.grade.problems[0], []
-    return None, continued([q for q in checked.sequences if q.sampled_tokens], calls)
+        return checked.grade.problems[0], [], trained
+    return None, continued([q for q in checked.sequences if q.sampled_tokens], calls), trained
 
 
 def went_on_with(call: CallRecord, later: list[CallRecord]) -> int | None:
@@ -231,6 +237,7 @@ class GroupReader:
         }
         self.failing = 0  # groups in a row without one scored episode
         self.refused: str | None = None  # why the last episode refused for its sampling settings was
+        self.fatal: str | None = None  # what made the last episode left out for its capture FATAL
 
     async def save_run(self) -> None:
         """Store the run's rule and settings, for the viewer."""
@@ -262,25 +269,24 @@ class GroupReader:
             lag = 0
             if reward is not None:
                 calls = [c async for c in self.store.iter_calls(s.id)]
-                refused = sampling_refused(calls, self.settings)
+                # placing a session is pure CPU work: off the loop that serves the proxy's calls
+                fatal, sequences, trained = await asyncio.to_thread(trained_sequences, calls, s, self.cfg.min_calls)
+                refused = sampling_refused(trained, self.settings)
                 if refused is not None:
                     if refused != self.refused:
                         log.warning("episodes left out of training: %s", refused)
                     self.refused = refused
-                    reward, why = None, "sampling"
+                    reward, why, sequences = None, "sampling", []
+                elif fatal is not None:
+                    log.warning("episode %s left out of training: %s", s.id, fatal)
+                    reward, why, self.fatal = None, "capture", fatal
                 else:
-                    # aux calls (another model: titles, side checks) and a superseded retry are left out
-                    fatal, sequences = trained_sequences(calls, s, self.config.train.min_calls)
-                    if fatal is not None:
-                        log.warning("episode %s left out of training: %s", s.id, fatal)
-                        reward, why = None, "capture"
-                    else:
-                        reward, why, lag = self.fresh(reward, why, sequences)
+                    reward, why, lag = self.fresh(reward, why, sequences)
             elif why == "foreign":
                 log.warning("group %s: session %r joined it by its key, not from the runner: left out", group, s.id)
             self.count(why)
             rows.append((s, reward, why, sequences, lag))
-        self.check_failing(sessions, sum(why not in DROPPED_BEFORE_SCORING for _, _, why, _, _ in rows))
+        self.check_failing(sessions, [why for _, _, why, _, _ in rows])
         values = group_advantages([reward for _, reward, _, _, _ in rows], self.rule)
         if supervised:
             values = [
@@ -325,18 +331,24 @@ class GroupReader:
         if counter is not None:
             setattr(self.state, counter, getattr(self.state, counter) + 1)
 
-    def check_failing(self, sessions: list[SessionInfo], scored: int) -> None:
+    def check_failing(self, sessions: list[SessionInfo], whys: list[Why]) -> None:
         """Stop, naming the cause, when groups keep coming back without one scored episode
-        (vLLM gone, a harness that cannot start): training could never go on."""
-        if scored:
+        (vLLM gone, a harness that cannot start, episodes with nothing to train): training could
+        never go on."""
+        if any(why not in DROPPED_BEFORE_SCORING for why in whys):
             self.failing = 0
             return
         self.failing += 1
         if self.failing >= FAILING_GROUPS:
             errors = [(s.outcome.error if s.outcome else None) or s.status for s in sessions]
             refused = f"; refused for sampling settings: {self.refused}" if self.refused else ""
+            fatal = f"; left out for its capture: {self.fatal}" if "capture" in whys else ""
+            empty = "; episodes with nothing to train" if "empty" in whys else ""
             raise TrainError(
-                f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}" + refused
+                f"{self.failing} groups in a row without one scored episode; the last: {errors[-1:]}"
+                + refused
+                + fatal
+                + empty
             )
 
 
@@ -353,7 +365,7 @@ async def successes(
         if reward is None or reward < success_at or s.task_id in heldout:
             continue
         calls = [c async for c in store.iter_calls(s.id)]
-        fatal, sequences = trained_sequences(calls, s, min_calls)
+        fatal, sequences, _ = trained_sequences(calls, s, min_calls)
         if fatal is None and sequences:
             top = max(max(q.input_ids) for q in sequences)
             if top >= vocab:
@@ -404,11 +416,15 @@ async def would_train(
     scored: list[tuple[SessionInfo, float | None, Why]] = []
     for s in sessions:
         episode = s.training_reward(rule)
-        calls = [c async for c in store.iter_calls(s.id)] if episode.value is not None else []
-        if episode.value is not None and sampling_refused(calls, settings):
-            episode = EpisodeReward(None, "sampling")
-        elif episode.value is not None and check(calls, s, settings.get("min_calls", 1)).grade.level == "FATAL":
-            episode = EpisodeReward(None, "capture")
+        if episode.value is not None:
+            calls = [c async for c in store.iter_calls(s.id)]
+            fatal, sequences, trained = trained_sequences(calls, s, settings.get("min_calls", 1))
+            if sampling_refused(trained, settings):
+                episode = EpisodeReward(None, "sampling")
+            elif fatal is not None:
+                episode = EpisodeReward(None, "capture")
+            elif not sequences:
+                episode = EpisodeReward(None, "empty")
         scored.append((s, episode.value, episode.why))
     values = group_advantages([reward for _, reward, _ in scored], rule) or [None] * len(scored)
     return GroupView([(s, reward, a, why) for (s, reward, why), a in zip(scored, values, strict=True)], None, rule)

@@ -10,12 +10,13 @@ from typing import Any
 import orjson
 
 from benchmarks.support.samples import call
-from recorder import CallRecord, Completion
-from recorder.graph import branches, delivery, edge_counts, place
+from recorder import CallRecord, Completion, SessionInfo
+from recorder.graph import branches, build, delivery, edge_counts, place
 from recorder.validation import Grade, check
 
 PROMPT = "Search the repository for the failing test and report its name."
 SUMMARY = "So far: the failing test is test_parse, broken by the new date format."
+SESSION = SessionInfo(id="s", key="k", policy_model="policy")  # the runner named the policy model
 
 
 def node(
@@ -49,6 +50,27 @@ def node(
     )
 
 
+def token_in(calls: list[CallRecord]) -> list[CallRecord]:
+    """The calls with prompt ids as token-in makes them: a call that continues another's answer
+    starts with that call's prompt and answer ids (equal requests keep equal prompts)."""
+    by_id: dict[str, CallRecord] = {}
+    made = []
+    for c in calls:
+        parent = by_id.get(((c.thread or {}).get("continues") or {}).get("call", ""))
+        if parent is not None:
+            c = replace(
+                c,
+                prompt_token_ids=[
+                    *parent.prompt_token_ids,
+                    *parent.completions[0].token_ids,
+                    900 + len((c.thread or {})["messages"]),
+                ],
+            )
+        by_id.setdefault(str(c.call_id), c)
+        made.append(c)
+    return made
+
+
 def test_a_session_with_a_subagent_a_side_call_a_retry_and_a_compaction() -> None:
     calls = [
         node(1, ["a"], "Fix the failing test.", task=PROMPT, why="first call of the session seen by this proxy"),
@@ -61,7 +83,7 @@ def test_a_session_with_a_subagent_a_side_call_a_retry_and_a_compaction() -> Non
         node(8, ["s"], f"This session continues from an earlier one. {SUMMARY}"),
         node(9, ["q"], "Something else entirely.", why="the conversation is not a continuation of an earlier call's"),
     ]
-    placed = {p.seq: p for p in place(calls)}
+    placed = {p.seq: p for p in place(calls, policy="policy")}
     got = {seq: (p.edge, p.parent, p.root) for seq, p in placed.items()}
     assert got == {
         1: ("new", None, 1),
@@ -113,7 +135,7 @@ def test_a_claude_code_subagent_on_another_model_is_linked_and_trained() -> None
         node(4, ["a", "a1", "r1"], continues=1),
         node(5, ["z"], "Write a title.", model="opus"),
     ]
-    got = [(p.edge, p.parent, p.purpose) for p in place(calls)]
+    got = [(p.edge, p.parent, p.purpose) for p in place(calls, policy="policy")]
     assert got == [
         ("new", None, "train"),
         ("subagent", 1, "train"),
@@ -157,9 +179,9 @@ def test_delivery_is_what_the_trained_calls_sampled_that_reaches_a_sequence() ->
     not meant for it."""
     failed = replace(node(3, ["x"]), ok=False, http_status=502, error="upstream died")
     calls = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), failed, node(4, ["z"], model="small-fast")]
-    assert delivery(calls, place(calls)) == (2, 3, 1)
+    assert delivery(calls, build(calls, SESSION)) == (2, 3, 1)
     retried = [node(1, ["a"]), node(2, ["a", "b", "c"], continues=1), node(3, ["a", "b", "c"], continues=1)]
-    assert delivery(retried, place(retried)) == (2, 2, 1)  # two sequences here: one chain keeps half
+    assert delivery(retried, build(retried, SESSION)) == (2, 2, 1)  # two sequences here: one chain keeps half
 
 
 def test_capture_grades() -> None:
@@ -172,7 +194,7 @@ def test_capture_grades() -> None:
     assert check([clean[0], bare]).grade.problems == ["call 2 was answered without its token ids or logprobs"]
     assert check([]).grade.level == "FATAL"
     big_aux = replace(node(3, ["z"], model="small-fast"), completions=[Completion(0, [5] * 9, [-0.1] * 9, "stop")])
-    warned = check([*clean, node(4, ["a", "b", "c", "d", "e"], continues=2), big_aux])
+    warned = check([*clean, node(4, ["a", "b", "c", "d", "e"], continues=2), big_aux], SESSION)
     assert (warned.grade.level, warned.grade.problems) == ("WARN", ["aux calls sampled 9 tokens, the trained calls 3"])
     edited = check([*clean, node(3, ["q"], "Start again.", why="an earlier message was edited")])
     assert edited.grade == Grade("INFO", ["call 3 starts a sequence: an earlier message was edited"])
@@ -209,4 +231,93 @@ def test_a_text_the_model_copied_from_its_prompt_is_no_summary() -> None:
         ("new", None),
         ("new", None),
         ("compaction", 3),
+    ]
+
+
+def test_the_main_loop_stays_trained_beside_a_longer_unlinked_subagent_on_another_model() -> None:
+    """Defect 1 of issue 39: a subagent whose prompt is too short to link ("Fix it.") ran 5 calls
+    on another model name, more than the main loop's 3: the vote by call count made it the
+    policy, and the main loop aux, untrained. No vote now: the runner names the policy model,
+    and without a name an unlinked conversation is trained as its own."""
+    calls = [
+        node(1, ["a"], "Fix the failing test.", task="Fix it."),
+        *(
+            node(2 + i, ["p", *[f"x{j}" for j in range(2 * i)]], "Fix it.", model="sub", continues=1 + i if i else None)
+            for i in range(5)
+        ),
+        node(7, ["a", "a1", "r1"], continues=1),
+        node(8, ["a", "a1", "r1", "a7", "r7"], continues=7),
+    ]
+    named = {p.seq: p for p in place(calls, policy="policy")}
+    assert [named[s].trained for s in (1, 7, 8)] == [True, True, True]
+    assert {named[s].purpose for s in range(2, 7)} == {"aux"}  # unlinked, on another model than the named one
+    assert all(p.trained for p in place(calls))  # no name: each conversation is trained, none by a vote
+
+
+def test_a_deliberate_repeat_is_no_retry_and_a_thrown_away_answer_is_not_trained() -> None:
+    """Defect 2 of issue 39: any equal request was a retry. A request, its continuation, the same
+    request again and its continuation: the harness went on with both, so both are trained, each
+    its own sequence (the original was untrained while the export trained it). Best of 3 (one
+    request sent three times, the first answer taken): the two thrown away are not trained."""
+    again = token_in(
+        [
+            node(1, ["a"]),
+            node(2, ["a", "b", "c"], continues=1),
+            node(3, ["a"]),
+            node(4, ["a", "d", "e"], continues=3),
+        ]
+    )
+    placed = place(again)
+    assert [(p.edge, p.trained) for p in placed] == [
+        ("new", True),
+        ("continue", True),
+        ("new", True),
+        ("continue", True),
+    ]
+    graph = build(again, SESSION)
+    assert [q.calls for q in graph.trained.sequences] == [[1, 2], [3, 4]] and graph.aside.sequences == []
+    best = token_in([node(1, ["a"]), node(2, ["a"]), node(3, ["a"]), node(4, ["a", "b", "c"], continues=1)])
+    assert [(p.edge, p.parent, p.trained) for p in place(best)] == [
+        ("new", None, True),
+        ("retry", 1, False),
+        ("retry", 2, False),
+        ("continue", 1, True),
+    ]
+    graph = build(best, SESSION)
+    assert [q.calls for q in graph.trained.sequences] == [[1, 4]]
+    assert [q.calls for q in graph.aside.sequences] == [[2], [3]]  # exported as not trained, chains after
+
+
+def test_what_is_trained_is_what_the_sequences_hold() -> None:
+    """The graph's placements and its sequences agree: every trained call is in exactly one
+    trained sequence (of its first choice), no untrained call is, and each call's root is the
+    first call of the sequence holding it."""
+    calls = token_in(
+        [
+            node(1, ["a"], "Fix the failing test.", task=PROMPT),
+            node(2, ["z"], "Write a title.", model="small-fast"),
+            node(3, ["p"], PROMPT),
+            node(4, ["p", "a3", "t3"], continues=3),
+            node(5, ["a", "a1", "r1"], continues=1),
+            node(6, ["a", "a1", "r1"], continues=1, why="a fork: call 5 continued this answer first"),
+            node(7, ["a", "a1", "r1", "a6", "u"], continues=6),
+        ]
+    )
+    graph = build(calls, SESSION)
+    in_sequences = [span.seq for q in graph.trained.sequences for span in q.spans]
+    assert sorted(in_sequences) == sorted(graph.trained_calls) == [1, 3, 4, 6, 7]
+    assert [q.calls for q in graph.trained.sequences] == [[1, 6, 7], [3, 4]]  # the re-send joins its thread
+    roots = {span.seq: q.spans[0].seq for q in [*graph.trained.sequences, *graph.aside.sequences] for span in q.spans}
+    assert {p.seq: p.root for p in graph.placements} == roots
+
+
+def test_a_subagent_whose_prompt_carries_its_parents_answer_is_a_subagent() -> None:
+    """Defect 7 of issue 39: the Agent call's prompt quotes the answer text of the same call, so
+    both the subagent and the compaction rule point at call 1; it was "ambiguous", placed new
+    (then aux on another model)."""
+    task = f"{SUMMARY} Now find where the date is parsed."
+    calls = [node(1, ["a"], "Fix the failing test.", answer=SUMMARY, task=task), node(2, ["p"], task, model="opus")]
+    assert [(p.edge, p.parent, p.trained) for p in place(calls, policy="policy")] == [
+        ("new", None, True),
+        ("subagent", 1, True),
     ]

@@ -224,6 +224,7 @@ async def test_an_older_store_is_migrated_its_keys_hashed_and_per_call_rewards_k
         conn.execute("alter table sessions drop column outcome")
         conn.execute("alter table sessions drop column sampling")
         conn.execute("alter table calls drop column thread")
+        conn.execute("alter table sessions drop column policy_model")
         conn.execute("update schema_version set version = 1")
         conn.execute("update sessions set key = 'a'")  # keys were stored as sent
     async with Store(str(db)) as store:
@@ -261,6 +262,7 @@ async def test_a_version_7_store_moves_outcomes_and_sampling_out_of_the_metadata
         conn.execute("alter table sessions drop column outcome")
         conn.execute("alter table sessions drop column sampling")
         conn.execute("alter table calls drop column thread")
+        conn.execute("alter table sessions drop column policy_model")
         conn.execute("update schema_version set version = 7")
         meta = {"episode": 2, "outcome": old_outcome, "sampling": {"temperature": 0.0}}
         conn.execute("update sessions set metadata = ? where id = 'episode'", (json.dumps(meta),))

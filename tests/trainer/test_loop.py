@@ -46,11 +46,13 @@ async def _episode(
     harness: str = "ok",
     infra: bool = False,
     sampling: dict[str, Any] | None = None,
+    policy: str | None = None,
 ) -> None:
-    """An episode of two merged turns (their requests with `sampling`); `harness` is how its
-    harness ended, `infra` adds a call the upstream failed (503)."""
+    """An episode of two merged turns (their requests with `sampling`) on model "m"; `harness` is
+    how its harness ended, `infra` adds a call the upstream failed (503); `policy` is the model
+    the runner named."""
     session = await store.create_session(
-        SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t", group_id=group)
+        SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t", group_id=group, policy_model=policy)
     )
     prompt = [1, 2, 3]
     for seq, tokens in enumerate([[10, 11], [12]]):  # two turns, merged into one sequence
@@ -159,6 +161,64 @@ def test_leftovers_and_failing_groups(tmp_path: Path) -> None:
     leftovers, error = asyncio.run(main())
     assert leftovers == ["done-1", "done-2"]
     assert "harness crashed" in error
+
+
+def test_episodes_with_nothing_to_train_stop_a_run_by_name(tmp_path: Path) -> None:
+    """Every call of these episodes is aux (the runner named another model than they asked for):
+    each is "empty". Such groups were counted as scored, so a run of them made groups forever."""
+
+    async def main() -> str:
+        async with Store(str(tmp_path / "s.db")) as store:
+            loop = _loop(tmp_path, store, LoopState(step=1, version=1))
+            with pytest.raises(TrainError) as raised:
+                for g in range(3):
+                    for n in range(4):
+                        await _episode(store, f"aux-{g}", n, "1", float(n % 2), policy="the-policy")
+                    assert await loop.prepare(f"aux-{g}") is None
+            assert loop.state.capture_fatal == 12
+            return str(raised.value)
+
+    error = asyncio.run(main())
+    assert "3 groups in a row without one scored episode" in error
+    assert "no trained call: its 2 call(s) failed or are aux" in error and "'the-policy'" in error
+
+
+def test_only_trained_calls_decide_whether_an_episode_was_sampled_as_the_trainer_scores() -> None:
+    """A side call at temperature 0 or under a response_format (a title, a check) is aux and
+    never trained: it dropped the whole episode."""
+    from trainer.groups import sampling_refused, trained_sequences
+
+    def made(seq: int, model: str, prompt: list[int], **request: Any) -> CallRecord:
+        return CallRecord(
+            session_id="s",
+            seq=seq,
+            api="chat.completions",
+            model=model,
+            upstream="u",
+            stream=False,
+            request={"model": model, "messages": [{"role": "user", "content": str(seq)}], **request},
+            response=None,
+            ok=True,
+            http_status=200,
+            error=None,
+            prompt_token_ids=prompt,
+            completions=[Completion(0, [5, 6], [-0.5, -0.5], "stop")],
+            policy_version="1",
+            policy_version_end="1",
+            started_at=T0,
+            finished_at=T0,
+        )
+
+    calls = [
+        made(1, "m", [1, 2]),
+        made(2, "small", [3], temperature=0.0, response_format={"type": "json_object"}),
+        made(3, "m", [1, 2, 5, 6, 7]),
+    ]
+    settings = {"temperature": 1.0, "defaults": {}, "allow_truncated_sampling": False}
+    fatal, sequences, trained = trained_sequences(calls, SessionInfo(id="s", key="k", policy_model="m"), 1)
+    assert fatal is None and [q.calls for q in sequences] == [[1, 3]]
+    assert sampling_refused(trained, settings) is None
+    assert "call 2 sampled at temperature 0.0" in (sampling_refused(calls, settings) or "")
 
 
 def test_config_refuses_unknown_keys(tmp_path: Path) -> None:
@@ -527,8 +587,9 @@ def test_a_session_that_joined_a_group_by_its_key_is_left_out_and_counted(tmp_pa
 
 
 def test_aux_calls_are_not_trained_and_a_fatal_capture_leaves_its_episode_out(tmp_path: Path) -> None:
-    """An aux call (another model: a title) adds no sequence; an episode with an answered call
-    that holds no logprobs is graded FATAL (recorder/validation.py): skipped and counted."""
+    """An aux call (another model than the runner named: a title) adds no sequence; an episode
+    with an answered call that holds no logprobs is graded FATAL (recorder/validation.py):
+    skipped and counted."""
 
     def extra(session: str, model: str, logprobs: list[float]) -> CallRecord:
         return CallRecord(
@@ -554,7 +615,7 @@ def test_aux_calls_are_not_trained_and_a_fatal_capture_leaves_its_episode_out(tm
     async def main() -> tuple[Any, LoopState, Any]:
         async with Store(str(tmp_path / "s.db")) as store:
             for n, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
-                await _episode(store, "g", n, "1", reward)
+                await _episode(store, "g", n, "1", reward, policy="m")
             await store.record(extra("g-0", "small-fast", [-0.1, -0.2]))  # aux: left out
             await store.record(extra("g-1", "m", []))  # no logprobs: FATAL
             loop = _loop(tmp_path, store, LoopState(step=1, version=1))

@@ -40,7 +40,7 @@ from recorder.errors import StoreError, StoreValueError
 from recorder.graph import branches
 from recorder.records import LearnerView
 from recorder.store import Store
-from recorder.trajectories import WINDOW, TrainingSequence, build_sequences
+from recorder.trajectories import WINDOW, TrainingSequence
 from recorder.validation import check
 from trainer.groups import group_view
 from trainer.loop import read_metrics
@@ -250,11 +250,10 @@ def create_app(
         if info is None:
             return PlainTextResponse(f"no session {session_id!r} in this store", 404)
         calls = [c async for c in store.iter_calls(session_id)]
-        checked = check(calls, info)
-        # the calls the graph places to be trained (the trainer also keeps one choice of an n > 1 call)
-        trained = {p.seq for p in checked.placements if p.trained}
-        kept = [c for c in calls if c.seq in trained]
-        report = build_sequences(kept, info, call_rewards=await store.call_rewards(session_id))
+        checked = check(calls, info, call_rewards=await store.call_rewards(session_id))
+        # the sequences of the calls the graph places to be trained (the trainer also keeps one
+        # choice of an n > 1 call)
+        report = checked.graph.trained
         breaks = {b.seq: b for b in report.breaks}
         decode = request.app.state.decode
         # What the learner saw, where it is this sequence's: one view per first call, so not for
