@@ -13,6 +13,7 @@ from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from uuid import uuid4
 
 import aiohttp
 import anyio
@@ -175,6 +176,7 @@ class Call:
         self.thread_start: str | None = None
         self.continues: dict[str, Any] | None = None  # the call and choice token-in continues
         self.model: str | None = None  # the served model the upstream was asked for (open_upstream)
+        self.call_id = uuid4().hex  # CallRecord.call_id: token-in names the call by it before it is recorded
         self.pin(self.state.upstreams.for_session(self.session.id))
 
     async def plan_prompt(self, body: dict[str, Any]) -> None:
@@ -187,7 +189,7 @@ class Call:
         try:
             # A session's first call has nothing recorded to continue: no read on its hot path.
             recorded = self.recorded_threads if self.seq > 1 else None
-            plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.seq, recorded)
+            plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.call_id, recorded)
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
             plan = Plan(None, f"token-in could not read the request: {exc!r}")
@@ -266,6 +268,7 @@ class Call:
             token_in=token_in,
             thread_start=None if self.chat_body is None else self.thread_start,
             thread=thread,
+            call_id=self.call_id,
         )
         if thread is not None and self.chat_body is not None:
             state.threads.add(self.session.id, call.call_id, self.chat_body, capture.prompt_token_ids, answers)

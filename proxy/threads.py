@@ -21,8 +21,11 @@ go to vLLM's Chat Completions as `kv_transfer_params.prompt_token_ids`, so the a
 
 A call's token state is recorded with it (`CallRecord.thread`: digests of its messages and
 template inputs, each choice's message; its prompt and sampled ids are in the record anyway).
-A proxy that holds no thread the call continues reads the session's recent ones back from the
-store, so a thread survives a restart and spans every proxy on one store.
+A proxy that holds no thread the call continues reads the session's newest ones back from the
+store, and its open ends (calls no later call continued: a main loop waiting on a long
+subagent), so a thread survives a restart and spans every proxy on one store. Which answer a
+call continued is recorded with it once, by call id; the cache learns it from there or from
+serving the call, alike.
 
 Anything else starts a new thread, and the call records why (`thread_start`): the first call,
 edited history, a compaction, another system prompt or tools, an answer not echoed as sampled,
@@ -129,7 +132,7 @@ class Thread:
     tools: bytes  # digest of the request's tools and template inputs (tools_key)
     prompt_ids: array[int]  # 4 bytes a token
     answers: list[Answer]
-    continued: dict[int, int] = field(default_factory=dict)  # answer index: the call that continued it first
+    continued: dict[int, str] = field(default_factory=dict)  # answer index: the call (its id) that continued it first
 
 
 @dataclass
@@ -204,7 +207,17 @@ class Threads:
     def restore(self, session_id: str, calls: list[ThreadRecord]) -> bool:
         """Learn the threads of recorded calls of the session (newest first) that this proxy did
         not serve, or has forgotten: another proxy's, or its own before a restart. Whether any
-        was new."""
+        was new. Which answer each call continued is read from the records (by call id) before
+        any thread is kept, so that a thread enters the cache as memory would hold it, and the
+        eviction drops continued threads first whichever way the state came."""
+        firsts: dict[str, dict[int, str]] = {}  # a call id: for each of its answers, the call that continued it first
+        for call in reversed(calls):  # oldest first: the first continuer wins
+            continues = call.thread.get("continues") if isinstance(call.thread, dict) else None
+            if isinstance(continues, dict) and isinstance(continues.get("call"), str):
+                firsts.setdefault(continues["call"], {}).setdefault(int(continues.get("choice") or 0), call.call_id)
+        for thread in self.cache.get(session_id, ()):
+            for answer, first in firsts.get(str(thread.call_id), {}).items():
+                thread.continued.setdefault(answer, first)
         known = {t.call_id for t in self.cache.get(session_id, ())}
         new = False
         for call in reversed(calls):
@@ -218,19 +231,18 @@ class Threads:
                 ]
                 messages = [bytes.fromhex(m) for m in state["messages"]]
                 thread = Thread(
-                    call.call_id, messages, bytes.fromhex(state["tools"]), array("i", call.prompt_token_ids), answers
+                    call.call_id,
+                    messages,
+                    bytes.fromhex(state["tools"]),
+                    array("i", call.prompt_token_ids),
+                    answers,
+                    dict(firsts.get(call.call_id, {})),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("call %s/%d: its token-in state cannot be read back: %r", session_id, call.seq, exc)
                 continue
             self._keep(session_id, thread)
             new = True
-        # what a later call continued, as the records say: forgotten before any branch's latest
-        threads = {t.call_id: t for t in self.cache.get(session_id, ())}
-        for call in calls:
-            continues = call.thread.get("continues") if isinstance(call.thread, dict) else None
-            if isinstance(continues, dict) and continues.get("call") in threads:
-                threads[continues["call"]].continued.setdefault(int(continues.get("choice") or 0), call.seq)
         return new
 
     def _keep(self, session_id: str, thread: Thread) -> None:
@@ -274,11 +286,11 @@ class Threads:
         upstream: Upstream,
         session_id: str,
         body: dict[str, Any],
-        seq: int = 0,
+        call_id: str = "",
         recorded: Callable[[], Awaitable[list[ThreadRecord]]] | None = None,
     ) -> Plan:
-        """Token-in for call `seq`'s chat body bound for `upstream`: its prompt ids, or why it
-        starts a thread. A second call continuing the same answer (a retry, a fork) is told so.
+        """Token-in for the chat body of call `call_id` bound for `upstream`: its prompt ids, or
+        why it starts a thread. A second call continuing the same answer (a retry, a fork) is told so.
         When no thread in memory continues, or the one that does leaves more than one message
         after its echo, the session's recorded threads are read back (`recorded`: one query) and
         the longest continuation is taken: another proxy served them, or this one before a
@@ -328,8 +340,8 @@ class Threads:
         if len(ends) <= n - 1 or ends[n - 1] == len(rendered) - 1:
             return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
         bridge = rendered[ends[n - 1] + (1 if closed else 0) :]
-        first = thread.continued.setdefault(thread.answers.index(answer), seq)
-        fork = None if first == seq else f"a fork: call {first} continued this answer first"
+        first = thread.continued.setdefault(thread.answers.index(answer), call_id)
+        fork = None if first == call_id else f"a fork: call {first} continued this answer first"
         return Plan(sequence + bridge, None, fork, {"call": thread.call_id, "choice": thread.answers.index(answer)})
 
 

@@ -129,9 +129,9 @@ def _sampled_texts(call: CallRecord, said: list[tuple[str, str]]) -> list[str]:
     """What the call wrote that could be a summary: its answers' texts, but none it copied from its
     own prompt (`said`; SmolLM2 in Claude Code repeated "Today's date is ...", which every later
     conversation's reminders carry)."""
-    prompt = "\n".join(text for _, text in said)
-    texts = (_text(m.get("content")) for m in _answers(call))
-    return [t for t in texts if len(t) >= MIN_LINK_TEXT and t not in prompt]
+    texts = [t for t in (_text(m.get("content")) for m in _answers(call)) if len(t) >= MIN_LINK_TEXT]
+    prompt = "\n".join(text for _, text in said) if texts else ""
+    return [t for t in texts if t not in prompt]
 
 
 @dataclass(frozen=True)

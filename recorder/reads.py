@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import case, func, select
+from sqlalchemy import case, func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -262,20 +262,23 @@ class Reads:
     @translated
     @translated
     async def recent_threads(self, session_id: str, limit: int) -> list[ThreadRecord]:
-        """A session's newest `limit` calls that token-in can continue (their `thread` state),
-        newest first, with only what token-in needs: not the request (the whole conversation),
-        the answer or the logprobs. One query, on the (session_id, seq) and call_id indexes."""
+        """A session's calls that token-in can continue (their `thread` state), newest first, with
+        only what token-in needs: not the request (the whole conversation), the answer or the
+        logprobs. The newest `limit` of them, and the newest `limit` that no later call continued
+        (the open ends: a main loop waiting while a subagent makes more calls than `limit`). One
+        query, on the (session_id, seq) and call_id indexes."""
         calls, completions = CallRow.__table__, CompletionRow.__table__
-        newest = (
-            select(calls.c.id)
-            .where(calls.c.session_id == session_id, calls.c.thread.is_not(None))
-            .order_by(calls.c.seq.desc())
-            .limit(limit)
-        )
+        mine = (calls.c.session_id == session_id, calls.c.thread.is_not(None))
+        later = calls.alias("later")  # the calls that continued one: not correlated with the outer query
+        went_on = later.c.thread["continues"]["call"].as_string()
+        continued = select(went_on).where(later.c.session_id == session_id, went_on.is_not(None))
+        open_ends = calls.c.call_id.not_in(continued)
+        newest = select(calls.c.id).where(*mine).order_by(calls.c.seq.desc()).limit(limit)
+        ends = select(calls.c.id).where(*mine, open_ends).order_by(calls.c.seq.desc()).limit(limit)
         query = (
             select(calls.c.call_id, calls.c.seq, calls.c.prompt_token_ids, calls.c.thread, completions.c.token_ids)
             .join(completions, completions.c.call_id == calls.c.id)
-            .where(calls.c.id.in_(newest))
+            .where(or_(calls.c.id.in_(newest), calls.c.id.in_(ends)))
             .order_by(calls.c.seq.desc(), completions.c.choice_index)
         )
         async with self.engine.connect() as conn:

@@ -92,9 +92,10 @@ def test_two_calls_continuing_one_answer_at_once_each_get_its_prompt_and_the_sec
     bridges = {tuple(render(m)[len(render(m[:2])) - 1 :]) for m in branches}  # after the echoed answer
     got = {tuple(c.prompt_token_ids[len(first.prompt_token_ids) + len(COMPLETION) :]) for c in continuing}
     assert got == bridges and all(c.token_in for c in continuing)
+    went_on = next(c for c in continuing if c.thread_start is None)
     assert sorted(str(c.thread_start) for c in continuing) == [
         "None",
-        f"a fork: call {first.seq + 1} continued this answer first",
+        f"a fork: call {went_on.call_id} continued this answer first",  # by id: renumbering cannot move it
     ]
 
 
@@ -222,3 +223,36 @@ def test_a_long_subagent_leaves_its_parent_thread_to_be_continued(make_proxy: An
     calls = proxy.calls("s-subagent")
     assert [c.token_in for c in calls] == [False, False, *[True] * 19, True], [c.thread_start for c in calls]
     assert calls[-1].thread["continues"]["call"] == calls[0].call_id  # type: ignore[index]
+
+
+def test_a_long_subagent_on_another_proxy_leaves_the_main_thread_to_be_read_back(
+    make_proxy: Any, stub: str, tmp_path: Path
+) -> None:
+    """Defect 3 of issue 39: the main loop's first call on one proxy, a 20-call subagent on
+    another, the main loop's next call on a third (a restart) of the same store. The read-back
+    took the newest 16 calls, all the subagent's, and the restored threads entered the cache
+    before what continued them was known, so the main loop started a new thread. Now the open
+    ends (calls no later call continued) are read back too, and each thread enters the cache
+    knowing whether it was continued."""
+    db = str(tmp_path / "shared.db")
+    main_proxy, subagent_proxy = make_proxy(stub, db=db), make_proxy(stub, db=db)
+    key = {"x-api-key": "s-subagent-across"}
+
+    def ask(proxy: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {"model": MODEL, "messages": messages}
+        httpx.post(f"{proxy.v1}/chat/completions", json=body, headers=key).raise_for_status()
+        return [*messages, {"role": "assistant", "content": "stub answer"}]
+
+    main = ask(main_proxy, [{"role": "user", "content": "Use a subagent to list the files."}])
+    subagent = [{"role": "user", "content": "List the files."}]
+    for turn in range(20):
+        subagent = [*ask(subagent_proxy, subagent), {"role": "user", "content": f"a.txt {turn}"}]
+    ask(make_proxy(stub, db=db), [*main, {"role": "user", "content": "The subagent says: a.txt"}])
+    calls = main_proxy.calls("s-subagent-across")
+    assert [c.token_in for c in calls] == [False, False, *[True] * 19, True], [c.thread_start for c in calls]
+    last = calls[-1]
+    assert (last.thread or {})["continues"]["call"] == calls[0].call_id
+    assert last.prompt_token_ids[: len(calls[0].prompt_token_ids) + len(COMPLETION)] == [
+        *calls[0].prompt_token_ids,
+        *COMPLETION,
+    ]

@@ -355,4 +355,4 @@ def test_threads_read_back_know_which_a_later_call_continued() -> None:
     threads = Threads()
     assert threads.restore("s", [record(3, 1), record(2, None), record(1, None)])  # newest first
     kept = {t.call_id: t.continued for t in threads.cache["s"]}
-    assert kept == {"c1": {0: 3}, "c2": {}, "c3": {}}
+    assert kept == {"c1": {0: "c3"}, "c2": {}, "c3": {}}  # by call id, which renumbering cannot move
