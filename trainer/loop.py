@@ -233,10 +233,11 @@ class TrainLoop:
     async def serve(self, directory: Path, version: str, admin: AdminClient) -> float:
         """Have every vLLM serve the weights (or LoRA adapter) in `directory` as `version`; the
         seconds until it does (with full weights, vLLM is paused meanwhile)."""
-        announce = functools.partial(refresh_version, admin, version)
+        announce = functools.partial(refresh_version, admin)
         if self.learner.lora:
             retire = str(int(version) - 2) if int(version) >= 2 else None
-            return await load_adapter(self.roots, directory, self.served_model, version, announce, retire)
+            adapter = functools.partial(announce, version)
+            return await load_adapter(self.roots, directory, self.served_model, version, adapter, retire)
         previous = self.weights if self.weights != directory else self.base  # loaded back if this fails
         send = self.sync.send if self.sync is not None else None
         return await hot_swap(self.roots, directory, version, previous, announce, send)

@@ -81,17 +81,19 @@ async def hot_swap(
     weights: Path,
     version: str,
     previous: Path,
-    announce: Callable[[], Awaitable[None]] | None = None,
+    announce: Callable[[str], Awaitable[None]] | None = None,
     send: Callable[[str], Awaitable[None]] | None = None,
 ) -> float:
     """Swap `weights` in as `version` on every server (root URLs, without /v1), all or none.
     Every server is paused, every one takes the new weights, then each is given the version and
-    it is announced once (`announce`, while all are paused: no call starts on one server under
+    it is announced once (`announce(version)`, while all are paused: no call starts on one server under
     the new version while another serves the old), then all resume. If a server refuses the
-    weights, every server that took them loads `previous` back, all resume on the old version,
-    and SwapError names the server. A server that cannot load `previous` back either, or that
-    failed over `send` (NCCL, trainer/nccl.py: nothing to load back from), is left paused: it
-    would serve unknown weights. Returns the seconds the servers were paused."""
+    weights, or a version cannot be set or announced after every server took them, every server
+    that took them loads `previous` back (and its version before, announced again), all resume
+    on the old weights, and SwapError names the server or the step. A server that cannot load
+    `previous` back either, or that failed over `send` (NCCL, trainer/nccl.py: nothing to load
+    back from), is left paused: it would serve unknown weights. Returns the seconds the servers
+    were paused."""
     if send is None and not (weights / "model.safetensors").exists() and not any(weights.glob("*.safetensors")):
         raise SwapError(f"{weights}: no safetensors weights to load")
     start = time.perf_counter()
@@ -99,6 +101,26 @@ async def hot_swap(
     lost: list[str] = []  # left paused: their weights are in an unknown state
     # A connection of its own per request: vLLM drops a connection after a failed RPC.
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        before = {root: await _version(client, root) for root in roots}
+
+        async def give_up(taken: list[str], failed: SwapError, what: str) -> SwapError:
+            lost.extend(await _roll_back(client, taken, previous, send is not None))
+            restored = [root for root in taken if root not in lost]
+            try:
+                for root in restored:
+                    if before[root] is not None:
+                        await _post(client, f"{root}/update_weight_version", json={"new_version": before[root]})
+                if announce is not None and restored and before[restored[0]] is not None:
+                    await announce(str(before[restored[0]]))
+            except SwapError as again:  # the weights are the old ones; the proxy's poll catches up
+                log.error("the previous version was not announced again: %s", again)
+            left = (
+                f"{lost} are left paused with weights in an unknown state; restart them"
+                if lost
+                else f"every server serves the previous ones from {previous} again"
+            )
+            return SwapError(f"{what} ({failed}); {left}")
+
         try:
             for root in roots:
                 await _post(client, f"{root}/pause", params={"mode": "keep"})
@@ -107,22 +129,29 @@ async def hot_swap(
                 try:
                     await (_reload(client, root, weights) if send is None else send(root))
                 except SwapError as failed:
-                    lost += await _roll_back(client, roots[: taken + 1], previous, send is not None)
-                    left = (
-                        f"{lost} are left paused with weights in an unknown state; restart them"
-                        if lost
-                        else (f"every server serves the previous ones from {previous} again")
-                    )
-                    raise SwapError(f"vLLM at {root} refused the weights in {weights} ({failed}); {left}") from failed
-            for root in roots:
-                await _post(client, f"{root}/update_weight_version", json={"new_version": version})
-            if announce is not None:
-                await announce()
+                    what = f"vLLM at {root} refused the weights in {weights}"
+                    raise await give_up(roots[: taken + 1], failed, what) from failed
+            try:
+                for root in roots:
+                    await _post(client, f"{root}/update_weight_version", json={"new_version": version})
+                if announce is not None:
+                    await announce(version)
+            except SwapError as failed:  # all or none: not the new weights under the old version's name
+                raise await give_up(roots, failed, f"version {version} was not set and announced") from failed
         finally:
             for root in paused:
                 if root not in lost:
                     await _post(client, f"{root}/resume")
     return time.perf_counter() - start
+
+
+async def _version(client: httpx.AsyncClient, root: str) -> str | None:
+    """The weight version a server serves (vLLM's development route `/weight_info`)."""
+    try:
+        answer = await client.get(f"{root}/weight_info")
+        return str(answer.json()["weight_version"]) if answer.is_success else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
 
 
 async def _roll_back(client: httpx.AsyncClient, roots: list[str], previous: Path, sent: bool) -> list[str]:

@@ -57,7 +57,7 @@ def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str
         client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0, timeout=120)
         before = await first_logprob(client, vllm.model)
         streams = await streams_in_flight(client, vllm.model, 16, 96)  # sampling with the old weights
-        paused = await hot_swap([restore], changed, "1", base, lambda: _announce(proxy))
+        paused = await hot_swap([restore], changed, "1", base, lambda _: _announce(proxy))
         results = await asyncio.gather(*streams, return_exceptions=True)
         after = await first_logprob(client, vllm.model)
         return results, before, after, paused
@@ -107,6 +107,36 @@ def test_refused_reload_keeps_old_weights(
     httpx.post(f"{restore}/resume").raise_for_status()  # the shared server goes on (`restore` reloads the weights)
 
 
+def test_a_swap_whose_announce_fails_after_every_reload_rolls_back(
+    proxy: RunningProxy, vllm: Upstream, restore: str, changed: Path, base: Path
+) -> None:
+    """Defect 4 of issue 39: every server took the new weights, then the announce failed (the
+    proxy gone, a version it did not read): all resumed on the new weights under the old
+    version's name, and the trainer deleted their directory. Now all or none: the old weights
+    and version serve again, and SwapError says so."""
+
+    async def refused(version: str) -> None:  # the new version's announce fails; the old one's goes through
+        if version == "1":
+            raise SwapError("the proxy did not take the new policy version: connection refused (fault injected)")
+        await _checked_announce(proxy, version)
+
+    async def main() -> tuple[float, float, str]:
+        await set_version(restore, "0")
+        await _announce(proxy)
+        client = AsyncOpenAI(base_url=proxy.v1, api_key="announce-fails", max_retries=0, timeout=120)
+        before = await first_logprob(client, vllm.model)
+        with pytest.raises(SwapError, match=r"was not set and announced .* serves the previous ones .* again"):
+            await hot_swap([restore], changed, "1", base, refused)
+        after = await first_logprob(client, vllm.model)
+        return before, after, httpx.get(f"{restore}/weight_info").json()["weight_version"]
+
+    before, after, version = asyncio.run(main())
+    assert after == pytest.approx(before, abs=1e-4) and version == "0"
+    assert httpx.get(f"{restore}/is_paused").json()["is_paused"] is False
+    calls = proxy.calls("announce-fails")
+    assert [c.policy_version for c in calls] == ["0", "0"]
+
+
 def test_two_replicas_pinned_swapped_and_one_lost(
     make_proxy: Any, vllm: Upstream, restore: str, changed: Path, base: Path, tmp_path: Path
 ) -> None:
@@ -137,7 +167,7 @@ def test_two_replicas_pinned_swapped_and_one_lost(
 
         before = {key: ask(key) for key in home}
         roots = [u.removesuffix("/v1") for u in urls]
-        asyncio.run(hot_swap(roots, changed, "1", base, lambda: _checked_announce(proxy, "1")))
+        asyncio.run(hot_swap(roots, changed, "1", base, lambda version: _checked_announce(proxy, version)))
         after = {key: ask(key) for key in home}
         second.stop()
         lost = {key: ask(key) for key in home if home[key] == second.base_url}
