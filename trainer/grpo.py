@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +38,7 @@ from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_log
 from trainer.sharding import average_gradients, full_norm, full_states, load_full_optimizer, save_full, shard
 
 T = TypeVar("T")
+log = logging.getLogger("rl_proxy.trainer")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,40 @@ class Sample:
 
 
 VIEWS_PER_STEP = 4  # sequences a step keeps the learner's logprobs of (LearnerView)
-ROW_MEANS = ("grpo", "sapo")  # loss types that average each row's token mean (the others sum or average tokens)
+# The loss types whose per-token loss is TRL's clipped ratio (they differ only in how they average
+# it): TRL computes it under "dapo", whose sum the weights below make explicit.
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def token_weights(samples: list[Sample], loss_type: str, max_completion_length: int | None) -> dict[int, float]:
+    """The weight of each trained token in a step's loss, which is the sum over the step's trained
+    tokens of weight x TRL's per-token loss (its policy term and, with beta, its KL term alike).
+    A token's weight is its sample's (keyed by `id(sample)`; fillers weigh 0). With E the step's
+    episodes (those with a trained token), N_e an episode's trained tokens over all its sequences,
+    N the step's and L `max_completion_length`:
+
+    - grpo, sapo: 1 / (E N_e): each episode's token mean, averaged over episodes;
+    - bnpo, dapo, cispo, vespo: 1 / N: the mean over the step's tokens;
+    - dr_grpo: 1 / (E L): each episode's token sum over a fixed length, averaged over episodes;
+    - luspo: 1 / E: each episode's token sum, averaged over episodes.
+
+    So an episode counts once however it was cut into sequences (a subagent, a compaction, a
+    fork), and each of its tokens weighs the same wherever it sits: TRL's row means made a
+    10-token subagent's tokens weigh 10x the main thread's in an episode cut 100/10/10."""
+    trained = [s for s in samples if not s.filler and s.sequence.sampled_tokens]
+    per_episode = Counter[str]()
+    for s in trained:
+        per_episode[s.sequence.session_id] += s.sequence.sampled_tokens
+    episodes, tokens = len(per_episode), sum(per_episode.values())
+    if loss_type in ("grpo", "sapo"):
+        return {id(s): 1.0 / (episodes * per_episode[s.sequence.session_id]) for s in trained}
+    if loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type dr_grpo divides by grpo.max_completion_length: set it")
+        return {id(s): 1.0 / (episodes * max_completion_length) for s in trained}
+    if loss_type == "luspo":
+        return {id(s): 1.0 / episodes for s in trained}
+    return {id(s): 1.0 / tokens for s in trained}
 
 
 class Learner:
@@ -94,7 +129,26 @@ class Learner:
         # ddp_timeout: with several processes the other ranks wait for rank 0's batches through
         # vLLM's start and every evaluation; torch's default 30 min would end the run.
         bf16 = not cpu and torch.cuda.is_bf16_supported()  # autocast over fp32 weights, TRL's default there
-        settings = {"bf16": bf16, "gradient_checkpointing": False, "ddp_timeout": 7 * 86400, **grpo}
+        # The importance-sampling correction per token by default: TRL's sequence_mask multiplies
+        # the ratios of every sampled token of a sequence, and an agent's sequence merges many
+        # calls (hundreds of tokens), so whole sequences were masked. The recorded behaviour
+        # logprobs are exact per token.
+        settings = {
+            "bf16": bf16,
+            "gradient_checkpointing": False,
+            "ddp_timeout": 7 * 86400,
+            "vllm_importance_sampling_mode": "token_truncate",
+            **grpo,
+        }
+        if settings.get("vllm_importance_sampling_correction", True) and str(
+            settings["vllm_importance_sampling_mode"]
+        ).startswith("sequence"):
+            log.warning(
+                "vllm_importance_sampling_mode %s multiplies the ratios of every sampled token of a merged "
+                "multi-call sequence: a long agent sequence is masked or truncated whole; token_truncate "
+                "corrects each token",
+                settings["vllm_importance_sampling_mode"],
+            )
         args = GRPOConfig(
             output_dir=str(out_dir),
             report_to=[],
@@ -154,11 +208,21 @@ class Learner:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged"), 0.0)  # a step's, see `step`
         self._computed: list[Any] = []  # the policy's logprobs of the micro-batch in `loss`
+        self._live: Any = None  # the last of them, with their graph
         self.views: list[LearnerView] = []  # what the last step saw of a few of its sequences
         # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
         # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
         self.shared_prefix = True
         self.trl._get_per_token_logps_and_entropies = self.logps
+
+    def row_weights(self, part: list[Sample], step: list[Sample] | None = None) -> Any:
+        """The token weight of each row of `part` in a step made of `step` (`token_weights`;
+        default: `part` alone), as a tensor."""
+        import torch
+
+        counted = [s for s in step or part if not self._masked(s)]  # a masked truncated sequence trains nothing
+        found = token_weights(counted, self.args.loss_type, self.args.max_completion_length)
+        return torch.tensor([found.get(id(s), 0.0) for s in part], dtype=torch.float32)
 
     def inputs(self, samples: list[Sample], num_items: int | None = None, terms: bool = True) -> dict[str, Any]:
         """TRL's batch for these samples: prompts left-padded, completions right-padded, the
@@ -247,21 +311,65 @@ class Learner:
             batch["ref_per_token_logps"] = ref
         return batch
 
-    def loss(self, batch: dict[str, Any], accumulation: int = 1) -> Any:
-        """TRL's GRPO loss for one micro-batch of a step made of `accumulation` micro-batches.
+    def loss(self, batch: dict[str, Any], weights: Any) -> Any:
+        """The sum over a micro-batch's trained tokens of `weights` (a row's token weight:
+        `token_weights`) x the per-token loss of the run's loss_type, its KL term included.
+
+        TRL computes the per-token policy loss and averages it in a way of its own per loss type;
+        that average is undone here, so that the weights are the whole normalization. Every
+        type's policy loss is linear in the advantage (a positive scale keeps each clip and sign
+        test as it was), so a row's weight goes in with its advantage: the clipped-ratio types are
+        computed as dapo (a token sum over `num_items_in_batch` per process, made 1), cispo and
+        vespo sum alike, and sapo's mean of row means is undone by each row's token count and the
+        row count. The KL term is not linear in the advantage: TRL runs without it (beta 0) and it
+        is added here, weighted the same. test_grpo_loss.py checks every type against the formula.
         On the way, how far the trainer's logprobs of the sampled tokens are from the recorded
         behaviour ones (TRL computes them first thing): summed into `_sums`."""
+        import torch
+
         trl = self.trl
         trl.use_vllm = self.args.vllm_importance_sampling_correction  # the samples come from vLLM
-        trl.current_gradient_accumulation_steps = accumulation
-        trl.args.steps_per_generation = accumulation
-        self._computed.clear()
-        loss = trl.compute_loss(self.model, batch)
+        trl.current_gradient_accumulation_steps = 1  # the weights say what a micro-batch weighs
+        trl.args.steps_per_generation = 1
         mask = batch["completion_mask"] * batch["tool_mask"]
+        weights = weights.to(self.device)
+        scale = weights * mask.sum(-1).clamp(min=1.0) * len(weights) if trl.loss_type == "sapo" else weights
+        weighted = {
+            **batch,
+            "advantages": batch["advantages"] * scale,
+            "num_items_in_batch": torch.tensor(float(self.world)),  # TRL divides by it over the processes
+        }
+        self._computed.clear()
+        loss_type, beta = trl.loss_type, trl.beta
+        trl.loss_type, trl.beta = ("dapo" if loss_type in CLIPPED else loss_type), 0.0
+        try:
+            loss = trl.compute_loss(self.model, weighted)
+        finally:
+            trl.loss_type, trl.beta = loss_type, beta
+        if beta:
+            loss = loss + beta * self._kl(batch, mask, weights)
         gap = ((self._computed[0] - batch["sampling_per_token_logps"]).abs() * mask).nan_to_num(0.0)
         self._sums["gap"] += float(gap.sum())
         self._sums["tokens"] += float(mask.sum())
         return loss
+
+    def _kl(self, batch: dict[str, Any], mask: Any, weights: Any) -> Any:
+        """The weighted sum of the per-token KL to the reference, TRL's estimator (k3), with its
+        importance-sampling correction where `use_bias_correction_kl` asks for it; its token mean
+        goes to the step's metrics as TRL's `kl`."""
+        import torch
+
+        logps = self._live
+        diff = batch["ref_per_token_logps"] - logps
+        kl = torch.exp(diff) - diff - 1
+        if self.args.use_bias_correction_kl:
+            log_ratio = logps - batch["old_per_token_logps"]
+            if self.args.importance_sampling_level == "sequence":
+                log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+            kl = kl * torch.exp(log_ratio)
+        shown = (kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)
+        self.trl._metrics["train"]["kl"].append(float(self.trl.accelerator.gather(shown).nanmean()))
+        return (kl * mask * weights[:, None]).sum()
 
     def logps(
         self,
@@ -294,32 +402,19 @@ class Learner:
             out = (*shared_prefix_logps(*given, self.trl.accelerator, batch_size, compute_entropy), None)
         if model is self.model:
             self._computed.append(out[0].detach())
+            self._live = out[0]  # the loss's own KL term needs it with its graph
         return out
 
     def part_losses(self, samples: list[Sample]) -> Iterator[Any]:
-        """The loss of each micro-batch of this rank's shard of a step, weighted so that (averaged
-        over the ranks, `_average_gradients`) they add up to the loss of the whole batch at once. TRL
-        divides each part's own mean by the number of parts, right only when the parts are even:
-        in parts of [8, 8, 1] the lone sequence would weigh 8x. The token-normalised losses (dapo,
-        cispo, vespo) already divide by the whole batch's count (over the ranks)."""
-        # Each episode counts once whatever its number of sequences (subagents, compactions, forks):
-        # where each row's tokens are averaged, an episode's rows share its weight; where rows are
-        # averaged (grpo, sapo, dr_grpo, luspo), the mean is over episodes. Token sums and means
-        # count each sampled token once already, however an episode is cut into rows.
-        episodes = Counter(s.sequence.session_id for s in samples)
-        advantages = {id(s.sequence): s.advantage for s in samples}  # the episodes', for the views
-        if self.args.loss_type in ROW_MEANS:
-            samples = [replace(s, advantage=s.advantage / episodes[s.sequence.session_id]) for s in samples]
-        parts, count, num_items = self._parts(samples)
+        """The loss of each micro-batch of this rank's shard of a step: the sum of its trained
+        tokens' weighted losses (`token_weights`, over the whole step), times the number of ranks
+        (the gradients are averaged over them), so that the parts of every rank add up to the
+        step's loss."""
+        advantages = {id(s.sequence): s.advantage for s in samples}  # for the views
+        parts, _, _ = self._parts(samples)
         for part in parts:
-            batch = self.inputs(part, num_items)
-            if self.args.loss_type in ("dapo", "cispo", "vespo"):  # TRL divides by the whole batch's tokens
-                weight = 1.0
-            elif self.args.loss_type == "bnpo":  # a mean over the part's tokens
-                weight = count * float((batch["completion_mask"] * batch["tool_mask"]).sum()) / max(num_items, 1)
-            else:  # a mean over the part's rows (fillers add 0 to it), made a mean over episodes
-                weight = count * len(part) / len(episodes)
-            loss = self.loss(batch, count // self.world) * weight
+            batch = self.inputs(part)
+            loss = self.loss(batch, self.row_weights(part, samples)) * self.world
             self._view(part, batch, advantages)
             yield loss
 

@@ -63,10 +63,11 @@ def groups() -> list[Sample]:
 
 def cut_episode(seed: int = 11) -> tuple[TrainingSequence, list[TrainingSequence], Sample]:
     """An episode of 3 turns as 1 sequence and as 3 (each turn's sampled tokens trained after
-    the whole context before them, as a subagent, compaction or fork would cut it), and another
-    episode of 1 sequence to stand beside it."""
+    the whole context before them, as a subagent, compaction or fork would cut it), cut unequally
+    (12, 2 and 2 sampled tokens: equal cuts hid that a row's mean weighed a short row's tokens
+    more), and another episode of 1 sequence to stand beside it."""
     rng = random.Random(seed)
-    whole = sequence(rng, [(10, 4), (5, 4), (6, 4)], session="cut")
+    whole = sequence(rng, [(10, 12), (5, 2), (6, 2)], session="cut")
     cuts = []
     for k, span in enumerate(whole.spans):
         mask = [int(span.start <= i < span.end) for i in range(span.end)]

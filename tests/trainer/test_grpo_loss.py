@@ -104,7 +104,7 @@ def test_loss_equals_trl_and_the_formula(
     learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=8)
     learner.model.train()
     samples = _batch()
-    ours = learner.loss(learner.inputs(samples))
+    ours = learner.loss(learner.inputs(samples), learner.row_weights(samples))
 
     # TRL's own GRPOTrainer (the learner holds one, not a subclass), one sequence at a time (no
     # padding at all), combined as TRL aggregates: grpo averages the sequences, dapo divides
@@ -174,7 +174,7 @@ def test_uneven_micro_batches_add_up_to_the_whole_batch(tiny_model: Path, tmp_pa
         return loss.detach(), [g for g in grads if g is not None]
 
     parts, part_grads = loss_and_grads(sum(learner.part_losses(samples)))
-    whole, whole_grads = loss_and_grads(learner.loss(learner.inputs(samples), accumulation=1))
+    whole, whole_grads = loss_and_grads(learner.loss(learner.inputs(samples), learner.row_weights(samples)))
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-7)
     for a, b in zip(part_grads, whole_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
@@ -404,19 +404,26 @@ def test_the_shared_prompt_path_stands_aside_where_it_would_be_wrong(tiny_model:
     assert not prompt_cache_fits(windowed, plain.trl.accelerator)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize(
+    ("loss_type", "beta"),
+    [("grpo", 0.0), ("grpo", 0.5), ("sapo", 0.0), ("bnpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.5), ("cispo", 0.0)],
+)
 def test_an_episode_cut_into_three_sequences_weighs_what_it_weighs_as_one(
-    tiny_model: Path, tmp_path: Path, loss_type: str
+    tiny_model: Path, tmp_path: Path, loss_type: str, beta: float
 ) -> None:
     """An episode whose calls became 3 sequences (a subagent, a compaction, a fork) counts once,
     as the same calls merged into 1 sequence do, beside an episode of 1 sequence: each of its
     sampled tokens sees the same context either way, so the step's loss and gradients are the
-    same. Under grpo and sapo its 3 rows used to weigh 3 episodes. (luspo and vespo weigh a
-    sequence as a whole, so a cut changes what they compute, not only its weight.)"""
-    grpo = {**_config(loss_type, "token", None), "max_completion_length": 64}
-    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=1, micro_batch=2)
-    learner.model.train()
+    same, its KL term's too. Defect 5 of issue 39: under grpo and sapo each row's advantage was
+    divided by 3 and TRL averaged each row, so in cuts of 12/2/2 tokens a 2-token row's tokens
+    weighed 6x the 12-token row's, and the KL term was not divided at all. (luspo and vespo weigh
+    a sequence as a whole, so a cut changes what they compute, not only its weight.)"""
+    grpo = {**_config(loss_type, "token", None), "max_completion_length": 64, "beta": beta, "learning_rate": 1e-2}
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=2, micro_batch=2)
     whole, cuts, other = cut_episode()
+    if beta:  # a step first: the policy is the reference until then, and its KL term 0
+        learner.step([Sample(whole, 1.1), other])
+    learner.model.train()
 
     def loss_and_grads(samples: list[Sample]) -> tuple[Any, list[Any]]:
         loss = sum(learner.part_losses(samples))
@@ -481,3 +488,74 @@ def test_a_supervised_step_is_the_mean_log_likelihood_loss_of_the_sampled_tokens
     assert metrics["loss"] == pytest.approx(before, rel=1e-4)
     assert nll() < before - 0.05
     assert len(learner.views) == 4  # the viewer shows what a supervised step saw too
+
+
+def test_token_weights_are_the_formula_for_every_loss_type() -> None:
+    """An episode cut 100/10/10 beside one of 20 tokens: E = 2 episodes, N = 140 tokens."""
+    from trainer.grpo import token_weights
+
+    rng = random.Random(3)
+    cut = [Sample(sequence(rng, [(2, n)], session="cut"), 1.0) for n in (100, 10, 10)]
+    other = Sample(sequence(rng, [(2, 20)], session="other"), -1.0)
+    filler = Sample(other.sequence, 0.0, filler=True)
+    samples = [*cut, other, filler]
+    expected = {
+        "grpo": ([1 / 240] * 3, 1 / 40),
+        "sapo": ([1 / 240] * 3, 1 / 40),
+        "bnpo": ([1 / 140] * 3, 1 / 140),
+        "dapo": ([1 / 140] * 3, 1 / 140),
+        "cispo": ([1 / 140] * 3, 1 / 140),
+        "vespo": ([1 / 140] * 3, 1 / 140),
+        "dr_grpo": ([1 / 256] * 3, 1 / 256),
+        "luspo": ([1 / 2] * 3, 1 / 2),
+    }
+    for loss_type, (cut_weights, other_weight) in expected.items():
+        found = token_weights(samples, loss_type, 128)
+        assert [found[id(s)] for s in cut] == pytest.approx(cut_weights), loss_type
+        assert found[id(other)] == pytest.approx(other_weight) and id(filler) not in found, loss_type
+    # each episode's tokens add up to its share: 1/E under the episode means
+    grpo = token_weights(samples, "grpo", None)
+    assert sum(grpo[id(s)] * s.sequence.sampled_tokens for s in cut) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "beta"),
+    [
+        ("grpo", 0.0),
+        ("grpo", 0.5),
+        ("sapo", 0.0),
+        ("bnpo", 0.0),
+        ("dr_grpo", 0.0),
+        ("dapo", 0.0),
+        ("cispo", 0.0),
+        ("luspo", 0.0),
+        ("vespo", 0.0),
+    ],
+)
+def test_a_steps_loss_is_the_weighted_sum_of_each_rows_own_trl_loss(
+    tiny_model: Path, tmp_path: Path, loss_type: str, beta: float
+) -> None:
+    """Every loss type: the step's loss in micro-batches is, by hand, the sum over rows of the
+    row's token weight x the sum of its per-token losses, each row's per-token loss sum taken
+    from TRL's own compute_loss on that row alone (which divides it by the row's token count,
+    by max_completion_length under dr_grpo, by nothing under luspo). Rows of unequal episodes
+    and cuts: what TRL's normalizers were cancelled for before, stated and checked here."""
+    from trainer.grpo import token_weights
+
+    level = "sequence" if loss_type == "luspo" else "token"
+    grpo = {**_config(loss_type, level, None), "max_completion_length": 64, "beta": beta, "learning_rate": 1e-2}
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=2, micro_batch=2)
+    _, cuts, other = cut_episode()
+    samples = [*(Sample(c, 1.1) for c in cuts), other, *_batch()[:2]]
+    if beta:
+        learner.step(samples)  # the policy moves away from the reference: a KL term to weigh
+    learner.model.train()
+    ours = sum(learner.part_losses(samples))
+    weights = token_weights(samples, loss_type, 64)
+    learner.shared_prefix = False
+    by_hand = 0.0
+    for sample in samples:
+        single = learner.trl.compute_loss(learner.model, learner.inputs([sample]))
+        divided_by = {"dr_grpo": 64, "luspo": 1}.get(loss_type, sample.sequence.sampled_tokens)
+        by_hand = by_hand + weights[id(sample)] * single * divided_by
+    torch.testing.assert_close(ours, by_hand, rtol=1e-4, atol=1e-7)
