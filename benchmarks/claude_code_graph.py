@@ -36,7 +36,7 @@ from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import CallRecord
-from recorder.graph import EDGES, Placement, delivery, edge_counts, first_user_parts, place
+from recorder.graph import EDGES, Placement, build, delivery, edge_counts, first_user_parts
 
 TASK = "Use a subagent to list the files in this directory."
 RESUMED = "This session is being continued from a previous conversation"
@@ -96,8 +96,9 @@ def measure(upstream: str, episodes: int, work: Path, temperature: float | None)
                 return [c async for c in store.iter_calls(session)]
 
             calls = read_store(db, read)
-            placements = place(calls)
-            reached, meant, longest = delivery(calls, placements)
+            graph = build(calls)
+            placements = graph.placements
+            reached, meant, longest = delivery(calls, graph)
             wrong = wrong_links(calls, placements)
             rows.append(
                 {
