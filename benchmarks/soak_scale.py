@@ -132,6 +132,7 @@ http {{
             proxy_pass http://proxies;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
+            proxy_set_header Host 127.0.0.1;  # a proxy on loopback answers loopback names only
             proxy_buffering off;
             proxy_read_timeout 120s;
             proxy_next_upstream error timeout;

@@ -40,6 +40,15 @@ class Curriculum:
     def record(self, task: str, success: bool) -> None:
         self.outcomes.setdefault(task, deque(maxlen=self.window)).append(success)
 
+    def saved(self) -> dict[str, list[bool]]:
+        """The recent outcomes, as a checkpoint keeps them (`restore` takes them back)."""
+        return {task: list(seen) for task, seen in self.outcomes.items()}
+
+    def restore(self, saved: dict[str, list[bool]]) -> None:
+        """Go on from a checkpoint's outcomes: a resumed run does not take every task as untried."""
+        for task, seen in saved.items():
+            self.outcomes[task] = deque(seen, maxlen=self.window)
+
     def weight(self, task: str) -> float:
         seen = self.outcomes.get(task, ())
         p = (sum(seen) + 1) / (len(seen) + 2)

@@ -106,8 +106,7 @@ def check_admin(request: Request, settings: Settings, basic: bool = False) -> No
                 f"Sec-Fetch-Site {site!r})"
             )
     forwarded = any(name in request.headers for name in FORWARDING_HEADERS)
-    host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
-    local = request.client is not None and _loopback(request.client.host) and (host == "localhost" or _loopback(host))
+    local = request.client is not None and is_loopback(request.client.host) and addressed_to_loopback(request)
     if settings.admin_open and local and not forwarded:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -129,7 +128,14 @@ def check_admin(request: Request, settings: Settings, basic: bool = False) -> No
         raise Unauthorized("wrong admin token")
 
 
-def _loopback(host: str) -> bool:
+def addressed_to_loopback(request: Request) -> bool:
+    """Whether a request names this machine's loopback in its Host: `localhost` or a loopback
+    address (a web page whose own name rebinds to 127.0.0.1 names itself)."""
+    host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
+    return host == "localhost" or is_loopback(host)
+
+
+def is_loopback(host: str) -> bool:
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:

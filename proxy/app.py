@@ -8,14 +8,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 
-from proxy.admin import admin, ops
+from proxy.admin import addressed_to_loopback, admin, ops
 from proxy.anthropic import router as anthropic_router
 from proxy.anthropic import to_chat
-from proxy.errors import BadRequest, install_handlers
+from proxy.errors import BadRequest, Forbidden, install_handlers
 from proxy.openai_api import router
 from proxy.responses import router as responses_router
 from proxy.responses import warm
-from proxy.settings import Settings
+from proxy.settings import LOOPBACK, Settings
 from proxy.state import ProxyState, RecentResponses
 from proxy.threads import Threads
 from proxy.upstream import Upstreams
@@ -45,7 +45,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             await upstreams.close()
             await store.close()
 
-    app = FastAPI(title="rl-proxy", lifespan=lifespan, dependencies=[Depends(no_nul)])
+    app = FastAPI(title="rl-proxy", lifespan=lifespan, dependencies=[Depends(no_nul), Depends(own_host)])
     mib = 2**20
     app.state.rlp = ProxyState(
         settings,
@@ -68,6 +68,20 @@ async def no_nul(request: Request) -> None:
     """Ids, keys and labels from the URL end up in text columns, and PostgreSQL's refuse NUL."""
     if "\x00" in request.url.path or b"%00" in request.scope["query_string"]:
         raise BadRequest("the URL contains a NUL character")
+
+
+async def own_host(request: Request) -> None:
+    """A proxy bound to a loopback address answers requests addressed to a loopback name only:
+    a web page whose name rebinds to 127.0.0.1 could otherwise POST JSON to its model routes
+    (DNS rebinding; the admin routes check the same). Bound elsewhere, any name may reach it."""
+    if request.app.state.rlp.settings.host not in LOOPBACK:
+        return
+    if not addressed_to_loopback(request):
+        raise Forbidden(
+            f"this proxy listens on a loopback address and answers requests addressed to it by a "
+            f"loopback name only, not {request.headers.get('host', '')[:64]!r} (bind it with --host "
+            "to be reached by other names)"
+        )
 
 
 def warm_translators() -> None:

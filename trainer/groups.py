@@ -96,6 +96,7 @@ class LoopState:
     samples: int = 0
     tokens: int = 0
     version_steps: dict[str, int] = field(default_factory=dict)  # policy version: the step that made it
+    curriculum: dict[str, list[bool]] = field(default_factory=dict)  # a task: its recent successes (Curriculum)
 
     def made_at(self, version: str | None) -> int:
         """The optimizer step whose weights a policy version is (staleness counts steps, not swaps)."""

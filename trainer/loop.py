@@ -217,6 +217,8 @@ class TrainLoop:
             self.weights = directory
         self.state.version_steps[str(version)] = self.state.step
         if resumable:
+            if self.rollouts.curriculum is not None:
+                self.state.curriculum = self.rollouts.curriculum.saved()
             self.state.save(directory / "state.json")
             self.checkpointed = self.state.step
         kept = {latest_checkpoint(self.out), self.weights}

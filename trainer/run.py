@@ -218,6 +218,7 @@ def _lead(
                 curriculum = None
                 if config.train.curriculum:
                     curriculum = Curriculum(config.episodes_per_task, config.success_at)
+                    curriculum.restore(state.curriculum if state is not None else {})
                 rollouts = Rollouts(runner, tasks, config.episodes_per_task, limit, rule, curriculum)
                 loop = TrainLoop(config, learner, rollouts, store, roots, base, min(names), state, sync)
                 loop.writers = _writers(config)

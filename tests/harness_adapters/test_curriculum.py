@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,18 @@ def test_recent_episodes_count_and_older_ones_are_forgotten() -> None:
     for n in range(8):  # the task became half as easy: only the last 8 count
         curriculum.record("t", n % 2 == 0)
     assert easy < curriculum.weight("t") == pytest.approx(1 - 2 * 0.5**4)
+
+
+def test_a_resumed_run_goes_on_with_the_pass_rates_of_its_checkpoint(tmp_path: Path) -> None:
+    """The pass rates were not in the checkpoint: a resumed run took every task as untried."""
+    from trainer.groups import LoopState
+
+    before = Curriculum(episodes_per_task=4, success_at=1.0, window=8)
+    for n in range(12):
+        before.record("hard", n == 0)
+    state = LoopState(step=3, curriculum=before.saved())
+    state.save(tmp_path / "state.json")
+    resumed = Curriculum(episodes_per_task=4, success_at=1.0, window=8)
+    resumed.restore(LoopState.load(tmp_path / "state.json").curriculum)
+    assert resumed.weight("hard") == before.weight("hard") != resumed.weight("untried")
+    assert len(resumed.outcomes["hard"]) == 8  # still a window of the recent ones

@@ -80,10 +80,11 @@ def test_open_admin_still_needs_the_token_for_forwarded_requests(make_proxy: Any
         {"Forwarded": "for=203.0.113.7"},
         {"X-Real-IP": "203.0.113.7"},
         {"Via": "1.1 nginx"},
-        {"Host": "rebound.example"},
     ):
         refused = httpx.get(f"{proxy.url}/admin/sessions", headers=header)
         assert refused.status_code == 401 and "admin-token" in refused.json()["error"]["message"]
+    rebound = httpx.get(f"{proxy.url}/admin/sessions", headers={"Host": "rebound.example"})  # any route, on loopback
+    assert rebound.status_code == 403 and "loopback name" in rebound.json()["error"]["message"]
     guarded = make_proxy(stub, admin_token="s3cret")
     forwarded = {"X-Forwarded-For": "203.0.113.7", "Authorization": "Bearer s3cret"}
     assert httpx.get(f"{guarded.url}/admin/sessions", headers=forwarded).status_code == 200

@@ -150,3 +150,20 @@ def test_web_pages_cannot_drive_a_loopback_proxy(make_proxy: Any, stub: str) -> 
     )
     own = {"Origin": proxy.url, "Sec-Fetch-Site": "same-origin"}
     assert httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", headers=own).json()["status"] == "ended"
+
+
+def test_a_loopback_proxy_answers_only_requests_addressed_to_a_loopback_name(make_proxy: Any, stub: str) -> None:
+    """DNS rebinding: a web page whose name resolves to 127.0.0.1 sends JSON to the model routes
+    (a preflight it passes with its own origin); its requests carry its own name as Host. They
+    were answered and recorded; now refused, in each API's error shape."""
+    proxy = make_proxy(stub)
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 4}
+    rebound = {"Host": "evil.example:80", "x-api-key": "rebound"}
+    sent = httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers=rebound)
+    assert sent.status_code == 403 and "loopback name" in sent.json()["error"]["message"], sent.text
+    messages = httpx.post(f"{proxy.v1}/messages", json=chat, headers=rebound)
+    assert messages.status_code == 403 and messages.json()["type"] == "error", messages.text
+    assert proxy.calls("rebound") == []
+    for own in ("localhost", "127.0.0.1", "[::1]"):
+        answered = httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers={"Host": own, "x-api-key": "own"})
+        assert answered.status_code == 200, (own, answered.text)
