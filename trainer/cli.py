@@ -111,7 +111,11 @@ def train(
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from exc
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: vLLM, the proxy and the episodes are stopped
-        console.print(f"stopped; continue from the last checkpoint with: rl-proxy train {config} --resume")
+        console.print(  # one line, however long the path: a log keeps it whole to copy
+            f"stopped; continue from the last checkpoint with: rl-proxy train {config} --resume",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(130) from exc
 
     if result is None:  # a process other than rank 0: rank 0 reports

@@ -10,11 +10,13 @@ import asyncio
 import sys
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness_adapters.collect import proxy_for
@@ -61,7 +63,9 @@ def _writers(config: TrainConfig) -> list[Callable[[dict[str, Any]], None]]:
     return writers
 
 
-def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
+def _display(total: int) -> tuple[AbstractContextManager[Progress], Callable[[dict[str, Any]], None]]:
+    """The step line: a live bar on a terminal (entered as a context), a line a step in a log
+    (no live bar there: rich draws it once more as it stops, cut at 80 columns)."""
     columns = (
         TextColumn("step"),
         MofNCompleteColumn(),
@@ -71,7 +75,8 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
         TextColumn("ETA"),
         TimeRemainingColumn(),
     )
-    bar = Progress(*columns)
+    console = Console()
+    bar = Progress(*columns, console=console)
     job = bar.add_task("train", total=total, line="waiting for the first groups")
 
     def update(row: dict[str, Any]) -> None:
@@ -100,7 +105,7 @@ def _display(total: int) -> tuple[Progress, Callable[[dict[str, Any]], None]]:
             soft_wrap=True,  # one line in a log, however wide: rich wraps at 80 columns off a terminal
         )
 
-    return bar, update
+    return (bar if console.is_terminal else nullcontext(bar)), update
 
 
 def torchrun_command(processes: int, module: str, *args: str) -> list[str]:
@@ -231,10 +236,10 @@ def _lead(
                         await refresh_version(admin, "0")
                 if not progress:
                     return await loop.run(eval_runner, eval_tasks)
-                bar, update = _display(config.train.steps)
+                shown, update = _display(config.train.steps)
                 loop.writers.append(update)
-                loop.progress = lambda line: bar.console.print(line, highlight=False, soft_wrap=True)
-                with bar:
+                with shown as bar:
+                    loop.progress = lambda line: bar.console.print(line, highlight=False, soft_wrap=True)
                     return await loop.run(eval_runner, eval_tasks)
 
         summary = asyncio.run(main())

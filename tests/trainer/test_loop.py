@@ -410,7 +410,7 @@ def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixtu
     rollout reward is the headline."""
     from trainer.run import _display
 
-    _, update = _display(10)
+    bar, update = _display(10)
     row = {
         "step": 1,
         "version": 1,
@@ -426,7 +426,8 @@ def test_the_step_line_leads_with_the_rollout_reward(capsys: pytest.CaptureFixtu
         "train_s": 3.0,
         "wait_s": 1.0,
     }
-    update(row)
+    with bar:  # as a run shows it: off a terminal no live bar is drawn, and none is left behind when it stops
+        update(row)
     [line] = capsys.readouterr().out.splitlines()  # one line in a log: it was wrapped at 80 columns
     assert "rollout reward 0.88 (trained groups 0.50)" in line and "failed 2" in line
     assert line.startswith("step 1/10") and line.endswith("(train 3 s, waited 1 s)")
