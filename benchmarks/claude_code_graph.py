@@ -13,7 +13,7 @@ rule) would deliver, and whether every link is right, checked against what Claud
   conversation", and its parent is the call Claude Code made for `/compact` (or a call of its
   chain, when Claude Code had the summary go on past the output limit);
 - no call starts unlinked where Claude Code sent a subagent or a post-compaction call whose
-  link the records hold (prompts under 24 characters are not linked, by design).
+  link the records hold (prompts and summaries under 24 characters are not linked, by design).
 
 The 135M model writes nonsense; what is measured is where each call is placed, not what it says.
 Launches vLLM (eager) unless --upstream names a running one.
@@ -36,7 +36,7 @@ from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import CallRecord
-from recorder.graph import EDGES, Placement, build, delivery, edge_counts, first_user_parts
+from recorder.graph import EDGES, MIN_LINK_TEXT, Placement, build, delivery, edge_counts, first_user_parts
 
 TASK = "Use a subagent to list the files in this directory."
 RESUMED = "This session is being continued from a previous conversation"
@@ -51,6 +51,11 @@ def agent_prompts(call: CallRecord) -> set[str]:
             prompt = (block.get("input") or {}).get("prompt")
             found |= {prompt.strip()} if isinstance(prompt, str) else set()
     return found
+
+
+def sampled_texts(call: CallRecord) -> list[str]:
+    """The texts of a Messages call's answer (a summary, for a /compact call)."""
+    return [b.get("text", "").strip() for b in (call.response or {}).get("content") or [] if b.get("type") == "text"]
 
 
 def is_compaction_call(call: CallRecord) -> bool:
@@ -74,7 +79,9 @@ def wrong_links(calls: list[CallRecord], placements: list[Placement]) -> list[st
         summary = placed[p.parent].root if p.parent in placed else None
         if p.edge == "compaction" and not (starts_resumed and summary and is_compaction_call(by_seq[summary])):
             wrong.append(f"call {p.seq}: compaction of {p.parent}, not a resumed conversation of a /compact call")
-        if p.edge == "new" and starts_resumed and any(is_compaction_call(c) and c.ok for c in calls if c.seq < p.seq):
+        summaries = [c for c in calls if c.seq < p.seq and is_compaction_call(c) and c.ok]
+        linkable = any(len(text) >= MIN_LINK_TEXT for c in summaries for text in sampled_texts(c))
+        if p.edge == "new" and starts_resumed and linkable:  # a summary like "Cheers!" links nothing, by design
             wrong.append(f"call {p.seq}: starts from a summary, placed new ({p.reason})")
         if p.edge == "new" and served and any(len(a) >= 24 for c in served for a in agent_prompts(by_seq[c]) & parts):
             wrong.append(f"call {p.seq}: a subagent of call {served[-1]}, placed new ({p.reason})")
