@@ -111,7 +111,6 @@ class EpisodeRunner:
             run=self.run,
             task_id=task.id,
             group_id=group or f"{self.run}/{task.id}",
-            policy_model=self.model,
             metadata={"episode": n},
             sampling=self.sampling,
         )

@@ -29,7 +29,7 @@ alone (so it works on any store, whatever proxy served the calls):
 Each call also gets a purpose. A linked call (continue, fork, retry, subagent, compaction) has
 the purpose of the call it is linked to, whatever model it asks for (Claude Code runs a
 subagent on the model its Agent call names). An unlinked call is `aux` when the session names
-its policy model (`SessionInfo.policy_model`: the runner's model, or the key's `model=`) and it
+its policy model (`SessionInfo.policy_model`: the admin API's, or the key's `model=`) and it
 asks for another (a harness's small fast model writing titles or checking topics), or when it is
 a side call by what it is: a lone one-turn conversation without tools in a session whose calls
 offer them, that no call continues or starts from (Claude Code 2.1.197 writes a session's title
@@ -178,7 +178,7 @@ class _Earlier:
 
 def place(calls: list[CallRecord], policy: str | None = None) -> list[Placement]:
     """Every call of one session placed, in call order. `policy` is the model name the session's
-    own work asks for (`SessionInfo.policy_model`), if the runner or the key named it."""
+    own work asks for (`SessionInfo.policy_model`), if the session names it."""
     ordered = sorted(calls, key=lambda c: c.seq)
     earlier = _Earlier()
     links: dict[int, Link] = {}

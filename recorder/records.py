@@ -98,7 +98,7 @@ class SessionInfo:
     run: str | None = None
     task_id: str | None = None
     group_id: str | None = None
-    # The model name the harness's own work asks for (the runner's, or the key's `model=`): its
+    # The model name the harness's own work asks for (the admin API's, or the key's `model=`): its
     # calls to any other name that nothing links to the work are side calls (recorder/graph.py).
     policy_model: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -57,8 +57,8 @@ def grade(calls: list[CallRecord], graph: SessionGraph, min_calls: int = 1) -> G
     made = sum(placed[c.seq].trained and c.ok for c in calls)
     if not made:
         found["FATAL"].append(
-            f"no trained call: its {len(calls)} call(s) failed or are aux (another model than the policy "
-            f"model {graph.policy!r} that nothing links to the work, or side calls)"
+            f"no trained call: its {len(calls)} call(s) failed or are aux (side calls, or another model "
+            f"than the session's policy model {graph.policy!r} that nothing links to the work)"
         )
     elif made < min_calls:
         found["FATAL"].append(f"{made} trained call(s), and the harness was expected to make at least {min_calls}")

@@ -1,32 +1,27 @@
-"""GRPO on recorded trajectories, with TRL's own loss.
+"""GRPO on recorded trajectories, with TRL's own per-token loss.
 
 Why TRL's `GRPOTrainer` is used as a part and not run with `.train()`: its training loop
 generates inside `_prepare_inputs` and walks an epoch-based dataloader, while here samples
 arrive from the store while rollouts go on, are filtered by staleness when a step starts, and
 weights are swapped into vLLM between steps. (TRL's own asynchronous trainer needs CUDA and
-FlashAttention.) So the loop is ours, and everything inside a step is TRL's: the model wrapper
-(reference model for `beta`, accelerate, PEFT for LoRA), the optimizer and scheduler from its
-`TrainingArguments`, the per-token logprobs at the sampling temperature and `compute_loss`
-for every `loss_type`, importance-sampling level, clipping and KL term, with TRL's metrics.
+FlashAttention.) So the loop is ours, and inside a step TRL gives the model wrapper (reference
+model for `beta`, accelerate, PEFT for LoRA), the optimizer and scheduler, the per-token
+logprobs at the sampling temperature and the per-token loss of every `loss_type`, with its
+metrics; how the tokens are weighed is trainer/weights.py's.
 
 What goes into the loss: a recorded sequence splits where its first sampled token is; the
-rest is TRL's completion, with the trajectory's loss mask as its `tool_mask` (tool output and
-template glue between turns are 0). The behaviour logprobs the proxy recorded are the sampling
-logprobs. Without vLLM importance-sampling correction they are also the old-policy logprobs
-(the PPO ratio is taken against the policy that sampled). With it (TRL's default), the
-old-policy logprobs are the trainer's own before the step and the ratio of those to the
-behaviour logprobs is capped or masked exactly as TRL does it for its vLLM samples; across
-policy versions this is the decoupled objective of AReaL.
+rest is TRL's completion, with the trajectory's loss mask as its `tool_mask`. The behaviour
+logprobs the proxy recorded are the sampling logprobs: without vLLM importance-sampling
+correction also the old-policy ones; with it (per token by default here), the old-policy
+logprobs are the trainer's own before the step, and their ratio to the behaviour ones is
+capped or masked as TRL does for its vLLM samples (AReaL's decoupled objective).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
-import math
 import statistics
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +31,9 @@ from recorder.records import LearnerView
 from recorder.trajectories import TrainingSequence
 from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_logps
 from trainer.sharding import average_gradients, full_norm, full_states, load_full_optimizer, save_full, shard
+from trainer.weights import CLIPPED, importance_ratio, kl_term, learner_settings, token_weights
 
 T = TypeVar("T")
-log = logging.getLogger("rl_proxy.trainer")
 
 
 @dataclass(frozen=True)
@@ -58,40 +53,6 @@ class Sample:
 
 
 VIEWS_PER_STEP = 4  # sequences a step keeps the learner's logprobs of (LearnerView)
-# The loss types whose per-token loss is TRL's clipped ratio (they differ only in how they average
-# it): TRL computes it under "dapo", whose sum the weights below make explicit.
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-
-
-def token_weights(samples: list[Sample], loss_type: str, max_completion_length: int | None) -> dict[int, float]:
-    """The weight of each trained token in a step's loss, which is the sum over the step's trained
-    tokens of weight x TRL's per-token loss (its policy term and, with beta, its KL term alike).
-    A token's weight is its sample's (keyed by `id(sample)`; fillers weigh 0). With E the step's
-    episodes (those with a trained token), N_e an episode's trained tokens over all its sequences,
-    N the step's and L `max_completion_length`:
-
-    - grpo, sapo: 1 / (E N_e): each episode's token mean, averaged over episodes;
-    - bnpo, dapo, cispo, vespo: 1 / N: the mean over the step's tokens;
-    - dr_grpo: 1 / (E L): each episode's token sum over a fixed length, averaged over episodes;
-    - luspo: 1 / E: each episode's token sum, averaged over episodes.
-
-    So an episode counts once however it was cut into sequences (a subagent, a compaction, a
-    fork), and each of its tokens weighs the same wherever it sits: TRL's row means made a
-    10-token subagent's tokens weigh 10x the main thread's in an episode cut 100/10/10."""
-    trained = [s for s in samples if not s.filler and s.sequence.sampled_tokens]
-    per_episode = Counter[str]()
-    for s in trained:
-        per_episode[s.sequence.session_id] += s.sequence.sampled_tokens
-    episodes, tokens = len(per_episode), sum(per_episode.values())
-    if loss_type in ("grpo", "sapo"):
-        return {id(s): 1.0 / (episodes * per_episode[s.sequence.session_id]) for s in trained}
-    if loss_type == "dr_grpo":
-        if not max_completion_length:
-            raise ValueError("loss_type dr_grpo divides by grpo.max_completion_length: set it")
-        return {id(s): 1.0 / (episodes * max_completion_length) for s in trained}
-    if loss_type == "luspo":
-        return {id(s): 1.0 / episodes for s in trained}
-    return {id(s): 1.0 / tokens for s in trained}
 
 
 class Learner:
@@ -129,26 +90,7 @@ class Learner:
         # ddp_timeout: with several processes the other ranks wait for rank 0's batches through
         # vLLM's start and every evaluation; torch's default 30 min would end the run.
         bf16 = not cpu and torch.cuda.is_bf16_supported()  # autocast over fp32 weights, TRL's default there
-        # The importance-sampling correction per token by default: TRL's sequence_mask multiplies
-        # the ratios of every sampled token of a sequence, and an agent's sequence merges many
-        # calls (hundreds of tokens), so whole sequences were masked. The recorded behaviour
-        # logprobs are exact per token.
-        settings = {
-            "bf16": bf16,
-            "gradient_checkpointing": False,
-            "ddp_timeout": 7 * 86400,
-            "vllm_importance_sampling_mode": "token_truncate",
-            **grpo,
-        }
-        if settings.get("vllm_importance_sampling_correction", True) and str(
-            settings["vllm_importance_sampling_mode"]
-        ).startswith("sequence"):
-            log.warning(
-                "vllm_importance_sampling_mode %s multiplies the ratios of every sampled token of a merged "
-                "multi-call sequence: a long agent sequence is masked or truncated whole; token_truncate "
-                "corrects each token",
-                settings["vllm_importance_sampling_mode"],
-            )
+        settings = learner_settings(bf16, grpo)
         args = GRPOConfig(
             output_dir=str(out_dir),
             report_to=[],
@@ -216,8 +158,7 @@ class Learner:
         self.trl._get_per_token_logps_and_entropies = self.logps
 
     def row_weights(self, part: list[Sample], step: list[Sample] | None = None) -> Any:
-        """The token weight of each row of `part` in a step made of `step` (`token_weights`;
-        default: `part` alone), as a tensor."""
+        """Each row's token weight (`token_weights`) in a step of `step` (default: `part`)."""
         import torch
 
         counted = [s for s in step or part if not self._masked(s)]  # a masked truncated sequence trains nothing
@@ -282,18 +223,7 @@ class Learner:
             with torch.no_grad():
                 old, _, _ = trl._get_per_token_logps_and_entropies(self.model, ids, attention, keep, self.micro_batch)
             batch["old_per_token_logps"] = old
-            diff = ((old - batch["sampling_per_token_logps"]) * mask).nan_to_num(0.0)
-            if args.vllm_importance_sampling_mode.startswith("sequence"):
-                diff = diff.sum(dim=-1, keepdim=True)
-            ratio = torch.exp(diff)
-            low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-            if args.vllm_importance_sampling_mode.endswith("truncate"):
-                ratio = torch.clamp(ratio, min=low, max=high)
-            else:
-                outside = (ratio < (low if low is not None else -math.inf)) | (
-                    ratio > (high if high is not None else math.inf)
-                )
-                ratio = ratio.masked_fill(outside, 0.0)
+            diff, ratio = importance_ratio(old, batch["sampling_per_token_logps"], mask, args)
             batch["importance_sampling_ratio"] = ratio
             # What the correction changed: tokens, or whole sequences in the sequence modes.
             judged = (mask if diff.size(1) > 1 else mask.sum(-1, keepdim=True)) > 0
@@ -313,18 +243,9 @@ class Learner:
 
     def loss(self, batch: dict[str, Any], weights: Any) -> Any:
         """The sum over a micro-batch's trained tokens of `weights` (a row's token weight:
-        `token_weights`) x the per-token loss of the run's loss_type, its KL term included.
-
-        TRL computes the per-token policy loss and averages it in a way of its own per loss type;
-        that average is undone here, so that the weights are the whole normalization. Every
-        type's policy loss is linear in the advantage (a positive scale keeps each clip and sign
-        test as it was), so a row's weight goes in with its advantage: the clipped-ratio types are
-        computed as dapo (a token sum over `num_items_in_batch` per process, made 1), cispo and
-        vespo sum alike, and sapo's mean of row means is undone by each row's token count and the
-        row count. The KL term is not linear in the advantage: TRL runs without it (beta 0) and it
-        is added here, weighted the same. test_grpo_loss.py checks every type against the formula.
-        On the way, how far the trainer's logprobs of the sampled tokens are from the recorded
-        behaviour ones (TRL computes them first thing): summed into `_sums`."""
+        trainer/weights.py, which says how TRL's own averages are undone) x the per-token loss of
+        the run's loss_type, its KL term included. On the way, how far the trainer's logprobs of
+        the sampled tokens are from the recorded behaviour ones: summed into `_sums`."""
         import torch
 
         trl = self.trl
@@ -347,29 +268,13 @@ class Learner:
         finally:
             trl.loss_type, trl.beta = loss_type, beta
         if beta:
-            loss = loss + beta * self._kl(batch, mask, weights)
+            weighted_kl, shown = kl_term(self._live, batch, mask, weights, self.args)
+            trl._metrics["train"]["kl"].append(float(trl.accelerator.gather(shown).nanmean()))
+            loss = loss + beta * weighted_kl
         gap = ((self._computed[0] - batch["sampling_per_token_logps"]).abs() * mask).nan_to_num(0.0)
         self._sums["gap"] += float(gap.sum())
         self._sums["tokens"] += float(mask.sum())
         return loss
-
-    def _kl(self, batch: dict[str, Any], mask: Any, weights: Any) -> Any:
-        """The weighted sum of the per-token KL to the reference, TRL's estimator (k3), with its
-        importance-sampling correction where `use_bias_correction_kl` asks for it; its token mean
-        goes to the step's metrics as TRL's `kl`."""
-        import torch
-
-        logps = self._live
-        diff = batch["ref_per_token_logps"] - logps
-        kl = torch.exp(diff) - diff - 1
-        if self.args.use_bias_correction_kl:
-            log_ratio = logps - batch["old_per_token_logps"]
-            if self.args.importance_sampling_level == "sequence":
-                log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
-            kl = kl * torch.exp(log_ratio)
-        shown = (kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)
-        self.trl._metrics["train"]["kl"].append(float(self.trl.accelerator.gather(shown).nanmean()))
-        return (kl * mask * weights[:, None]).sum()
 
     def logps(
         self,

@@ -492,7 +492,7 @@ def test_a_supervised_step_is_the_mean_log_likelihood_loss_of_the_sampled_tokens
 
 def test_token_weights_are_the_formula_for_every_loss_type() -> None:
     """An episode cut 100/10/10 beside one of 20 tokens: E = 2 episodes, N = 140 tokens."""
-    from trainer.grpo import token_weights
+    from trainer.weights import token_weights
 
     rng = random.Random(3)
     cut = [Sample(sequence(rng, [(2, n)], session="cut"), 1.0) for n in (100, 10, 10)]
@@ -540,7 +540,7 @@ def test_a_steps_loss_is_the_weighted_sum_of_each_rows_own_trl_loss(
     from TRL's own compute_loss on that row alone (which divides it by the row's token count,
     by max_completion_length under dr_grpo, by nothing under luspo). Rows of unequal episodes
     and cuts: what TRL's normalizers were cancelled for before, stated and checked here."""
-    from trainer.grpo import token_weights
+    from trainer.weights import token_weights
 
     level = "sequence" if loss_type == "luspo" else "token"
     grpo = {**_config(loss_type, level, None), "max_completion_length": 64, "beta": beta, "learning_rate": 1e-2}
