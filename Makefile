@@ -50,7 +50,8 @@ demo: install
 # The system tools the suite needs, from Debian's packages: bubblewrap (the shell example's
 # sandbox, in which the harness tests run the model's commands), chromium (the viewer's browser
 # test), postgresql (every store test runs on PostgreSQL too), nginx (the load balancer in front
-# of the proxies in the scale soak and its short test). Installed with apt-get as root;
+# of the proxies in the scale soak and its short test), podman with runc and debootstrap (the
+# container environments' engine, and the tasks' base image). Installed with apt-get as root;
 # otherwise make stops with the one command to run. `make test` then requires them
 # (RLP_REQUIRE_SYSTEM): a test never skips for want of one.
 system:
@@ -59,6 +60,9 @@ system:
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v podman >/dev/null 2>&1 || missing="$$missing podman"; \
+	command -v runc >/dev/null 2>&1 || [ -x /usr/sbin/runc ] || missing="$$missing runc"; \
+	command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \

@@ -36,7 +36,8 @@ def proxy_for(config: CollectConfig) -> Iterator[tuple[str, str, str | None, str
 def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeResult], Path, str | None]:
     """Run every episode; (results, the results file, the store)."""
     tasks = load_tasks(config.path(config.tasks), None if config.split == "all" else config.split)
-    adapter, rewards = config.adapter(), config.reward_sources()
+    config.check_tasks(tasks)
+    adapter, rewards, environment = config.adapter(), config.reward_sources(), config.resolved_environment()
     out = config.out_dir
     total = len(tasks) * config.episodes_per_task
     columns = (
@@ -58,6 +59,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
             config.timeout,
             config.concurrency,
             config.proxy.admin_token,
+            environment=environment,
         )
         job = bar.add_task("episodes", total=total, rate="")
         finished: list[EpisodeResult] = []
@@ -77,7 +79,10 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
                     highlight=False,
                 )
 
-        results = asyncio.run(runner.run_all(tasks, config.episodes_per_task, done))
+        try:
+            results = asyncio.run(runner.run_all(tasks, config.episodes_per_task, done))
+        finally:  # a run cut short (SIGTERM, Ctrl-C): no container of its stays behind
+            environment.close()
     path = out / "episodes.jsonl"
     write_results(results, path)
     return results, path, db

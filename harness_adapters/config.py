@@ -11,6 +11,8 @@ Unknown keys are refused by name. Paths are relative to the config file. Example
     harness:
       type: python              # python | command | agents_sdk | langchain
       agent: agent.py:agent
+    environment:
+      type: host                # host | bubblewrap | container (harness_adapters/environments.py)
     rewards:
       - type: python
         function: agent.py:score
@@ -29,6 +31,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from harness_adapters.environments import ContainerEnvironment, Environment, HostEnvironment
 from harness_adapters.episode import (
     Adapter,
     AgentsSdkAdapter,
@@ -38,6 +41,7 @@ from harness_adapters.episode import (
     load_callable,
 )
 from harness_adapters.rewards import Reward, RewardSource
+from harness_adapters.tasks import Task
 from proxy.settings import Settings
 
 
@@ -71,6 +75,10 @@ class CommandHarness(Strict):
 
     def adapter(self, path: Callable[[str], str]) -> Adapter:
         return CommandAdapter([path(arg) for arg in self.argv], self.env, self.files)
+
+    def wrapped(self, environment: HostEnvironment) -> CommandHarness:
+        """This harness with its argv in the environment's sandbox (bubblewrap's, or none)."""
+        return self.model_copy(update={"argv": environment.wrap(self.argv)})
 
 
 class AgentsSdkHarness(Strict):
@@ -130,6 +138,7 @@ class CollectConfig(Strict):
     success_at: float = Field(1.0, description="an episode succeeds with at least this reward")
     out: str | None = Field(None, description="workdirs, results and the store [default: runs/<run>]")
     harness: HarnessConfig
+    environment: Environment = Field(default_factory=HostEnvironment)
     rewards: list[Reward] = Field(default_factory=list)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
 
@@ -148,10 +157,31 @@ class CollectConfig(Strict):
         return Path(self.out) if self.out else Path("runs") / self.run
 
     def adapter(self) -> Adapter:
+        harness = self.harness
+        if isinstance(harness, CommandHarness):
+            harness = harness.wrapped(self.environment)
+        elif isinstance(self.environment, ContainerEnvironment):
+            raise ConfigError(f"environment: a container runs a command harness inside it, not a {harness.type} one")
         try:
-            return self.harness.adapter(self.path)
+            return harness.adapter(self.path)
         except (ValueError, ImportError, OSError) as exc:
             raise ConfigError(f"harness: {exc}") from exc
+
+    def resolved_environment(self) -> Environment:
+        """The environment with its mounts relative to the config's directory."""
+        if isinstance(self.environment, ContainerEnvironment):
+            mounts = {self.path(host): inside for host, inside in self.environment.mounts.items()}
+            return self.environment.model_copy(update={"mounts": mounts})
+        return self.environment
+
+    def check_tasks(self, tasks: list[Task]) -> None:
+        """Harbor tasks need a container: their image, and their tests run inside it."""
+        harbor = [t.id for t in tasks if t.harbor is not None]
+        if harbor and not isinstance(self.environment, ContainerEnvironment):
+            raise ConfigError(
+                f"tasks {', '.join(harbor[:5])}{' ...' if len(harbor) > 5 else ''} are Harbor tasks: they run in "
+                f"`environment: {{type: container}}`, not {self.environment.type}"
+            )
 
     def reward_sources(self) -> list[RewardSource]:
         """The rewards with their references resolved (one that cannot be loaded is named now,

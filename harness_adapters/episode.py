@@ -27,10 +27,13 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from harness_adapters.tasks import Task
 from recorder.episodes import HarnessStatus
+
+if TYPE_CHECKING:
+    from harness_adapters.environments import Box
 
 OUTPUT_CHARS = 20_000  # of a harness's stdout kept as its output
 
@@ -83,7 +86,9 @@ class Outcome:
 
 
 class Adapter(Protocol):
-    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome: ...
+    async def run(
+        self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float, box: Box | None = None
+    ) -> Outcome: ...
 
 
 def load_callable(ref: str) -> Callable[..., Any]:
@@ -106,14 +111,14 @@ def load_callable(ref: str) -> Callable[..., Any]:
     return found  # type: ignore[no-any-return]
 
 
-def template_values(task: Task, endpoint: Endpoint, workdir: Path) -> dict[str, Any]:
+def template_values(task: Task, endpoint: Endpoint, workdir: Path | str) -> dict[str, Any]:
     """What `{name}` may stand for in a command, its environment and its files."""
     return {
         # The workdir absolute: a command runs in it, so a relative one would name a folder inside.
         **task.data,
         "task_id": task.id,
         "prompt": task.prompt,
-        "workdir": str(workdir.resolve()),
+        "workdir": workdir if isinstance(workdir, str) else str(workdir.resolve()),
         "model": endpoint.model,
         "base_url": endpoint.url,
         "openai_base_url": endpoint.openai_base_url,
@@ -151,24 +156,35 @@ class CommandAdapter:
     fields; write `{{`/`}}` for a literal brace). The proxy's address and the session key are also
     in every variable of `Endpoint.env`. The process gets its own process group: at the timeout
     the group gets SIGTERM, then SIGKILL after `grace` seconds, and whatever the harness left
-    running is killed when it exits."""
+    running is killed when it exits.
+
+    In a container (`box`), the command runs there instead, in the image's working directory
+    (which `{workdir}` names), with only the endpoint's variables and `env`; `files` are written
+    there; its output still goes to harness.log and harness.stdout in the episode's workdir."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     grace: float = 5.0
 
-    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
-        values = template_values(task, endpoint, workdir)
+    async def run(
+        self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float, box: Box | None = None
+    ) -> Outcome:
+        values = template_values(task, endpoint, box.workdir if box else workdir)
         try:
             argv = [arg.format_map(values) for arg in self.argv]
-            env = command_env({**endpoint.env(), **{k: v.format_map(values) for k, v in self.env.items()}})
-            for relative, content in self.files.items():
-                target = workdir / relative.format_map(values)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(content.format_map(values))
+            extra = {**endpoint.env(), **{k: v.format_map(values) for k, v in self.env.items()}}
+            files = {name.format_map(values): content.format_map(values) for name, content in self.files.items()}
         except (KeyError, ValueError, IndexError) as exc:
             return Outcome("failed", error=f"bad template in the command adapter: {exc!r}")
+        if box is not None:
+            await box.put({name: content.encode() for name, content in files.items()})
+            return await self._in_box(box, argv, extra, workdir, timeout)
+        for relative, content in files.items():
+            target = workdir / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content)
+        env = command_env(extra)
         log, out = workdir / "harness.log", workdir / "harness.stdout"
         start = time.monotonic()
         # Read back through the open files: the harness runs in this workdir and may delete them
@@ -204,6 +220,21 @@ class CommandAdapter:
         return Outcome(
             status, output, error, code, str(log), time.monotonic() - start, _artifacts(workdir, {log.name, out.name})
         )
+
+    async def _in_box(self, box: Box, argv: list[str], env: dict[str, str], workdir: Path, timeout: float) -> Outcome:
+        log, out = workdir / "harness.log", workdir / "harness.stdout"
+        start = time.monotonic()
+        with open(log, "w+b") as err_file, open(out, "w+b") as out_file:
+            try:
+                code: int | None = await box.run(argv, env, out_file, err_file, timeout)
+                status: HarnessStatus = "ok" if code == 0 else "failed"
+                error = None if code == 0 else f"exited with code {code}; end of log: {_tail(err_file, 500)}"
+            except TimeoutError:
+                status, error, code = "timeout", f"killed after {timeout:g} s", None
+            except Exception as exc:  # the engine's own errors (a container that died): the episode failed
+                status, error, code = "failed", f"the container failed: {type(exc).__name__}: {exc}", None
+            output = _tail(out_file, OUTPUT_CHARS)
+        return Outcome(status, output, error, code, str(log), time.monotonic() - start)
 
 
 async def _guarded(work: Callable[[], Awaitable[Any]], timeout: float, workdir: Path) -> Outcome:
@@ -244,7 +275,9 @@ class PythonAdapter:
 
     agent: Callable[..., Awaitable[Any]]
 
-    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
+    async def run(
+        self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float, box: Box | None = None
+    ) -> Outcome:
         client = _client(endpoint)
         extra = {"model": endpoint.model} if "model" in inspect.signature(self.agent).parameters else {}
         try:
@@ -262,7 +295,9 @@ class AgentsSdkAdapter:
     api: str = "responses"
     max_turns: int = 10
 
-    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
+    async def run(
+        self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float, box: Box | None = None
+    ) -> Outcome:
         from agents import Runner, set_tracing_disabled
         from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
         from agents.models.openai_responses import OpenAIResponsesModel
@@ -291,7 +326,9 @@ class LangChainAdapter:
     make_agent: Callable[[Any, Task], Any]
     use_responses_api: bool = False
 
-    async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float) -> Outcome:
+    async def run(
+        self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float, box: Box | None = None
+    ) -> Outcome:
         from langchain_openai import ChatOpenAI
         from pydantic import SecretStr
 

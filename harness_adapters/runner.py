@@ -3,9 +3,11 @@ workdir, then scored and closed. Talks to the proxy only through its admin API, 
 may be in this process or anywhere else.
 
 Each episode: create a session (`run`, `task_id`, `group_id` = run/task: the GRPO group) ->
+start its environment (harness_adapters/environments.py: a container for a Harbor task) ->
 run the harness -> count its calls (none: reported as "no_calls", by name, and never scored:
-the harness ignored the proxy's address) -> score it (each reward source posted under its
-name) -> end the session with its status and its typed outcome (recorder/episodes.py), through
+the harness ignored the proxy's address) -> score it (a Harbor task's tests, each named reward
+they wrote posted as "tests.<name>"; then each reward source posted under its name) -> remove
+the environment -> end the session with its status and its typed outcome (recorder/episodes.py), through
 the typed admin client (proxy/admin_client.py).
 """
 
@@ -15,10 +17,11 @@ import asyncio
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness_adapters.environments import Box, ContainerError, Environment, HostEnvironment
 from harness_adapters.episode import Adapter, Endpoint, Outcome
 from harness_adapters.rewards import RewardError, RewardSource, weighted
 from harness_adapters.tasks import Task
@@ -83,6 +86,7 @@ class EpisodeRunner:
     concurrency: int = 4
     admin_token: str | None = None
     sampling: Sampling | None = None  # set by the proxy on every call, whatever the harness asks
+    environment: Environment = field(default_factory=HostEnvironment)
 
     def admin(self) -> AdminClient:
         """A client of the proxy's admin API (use it in `async with`)."""
@@ -117,21 +121,28 @@ class EpisodeRunner:
         workdir = self.workdir / session.id
         workdir.mkdir(parents=True, exist_ok=True)
         endpoint = Endpoint(self.proxy_url, session.key, self.model, session.id)
-        outcome = await self.adapter.run(task, endpoint, workdir, self.timeout)
-        info = await admin.session(session.id)
-        status: EpisodeStatus = outcome.status
-        error, reward, parts = outcome.error, None, tuple[RewardPart, ...]()
-        if info.calls == 0:
-            status = "no_calls"
-            error = "the harness made no call through the proxy (a wrong base URL, or a variable it ignores?)" + (
-                f"; it {outcome.status}: {outcome.error}" if outcome.error else ""
-            )
-        elif status == "ok":
-            try:
-                parts = await self.score(admin, session.id, task, outcome, endpoint, workdir, info.reward)
-                reward = sum(part.value for part in parts)
-            except RewardError as exc:
-                status, error = "failed", str(exc)
+        timeout = task.harbor.agent_timeout if task.harbor and task.harbor.agent_timeout else self.timeout
+        error, reward, parts = None, None, tuple[RewardPart, ...]()
+        try:
+            async with self.environment.episode(task, workdir) as box:
+                outcome = await self.adapter.run(task, endpoint, workdir, timeout, box)
+                info = await admin.session(session.id)
+                status: EpisodeStatus = outcome.status
+                error = outcome.error
+                if info.calls == 0:
+                    status = "no_calls"
+                    error = (
+                        "the harness made no call through the proxy (a wrong base URL, or a variable it ignores?)"
+                        + (f"; it {outcome.status}: {outcome.error}" if outcome.error else "")
+                    )
+                elif status == "ok":
+                    try:
+                        parts = await self.score(admin, session.id, task, outcome, endpoint, workdir, info.reward, box)
+                        reward = sum(part.value for part in parts)
+                    except RewardError as exc:
+                        status, error = "failed", str(exc)
+        except ContainerError as exc:  # an image that does not build, a container that does not start
+            outcome, status, error = Outcome("failed", error=str(exc)), "failed", str(exc)
         record = EpisodeOutcome(
             harness=outcome.status,
             error=error,
@@ -154,13 +165,20 @@ class EpisodeRunner:
         endpoint: Endpoint,
         workdir: Path,
         posted: float | None,
+        box: Box | None = None,
     ) -> tuple[RewardPart, ...]:
-        """Score with every source first (nothing is posted if one fails), then post each part."""
-        parts = [(source, await weighted(source, task, outcome, endpoint, workdir, posted)) for source in self.rewards]
-        for i, (source, value) in enumerate(parts):
-            if not source.stored:  # its id: posted again (a retry), it still counts once
-                await admin.add_reward(session_id, value, source.type, f"runner-{i}")
-        return tuple(RewardPart(source=source.type, value=value) for source, value in parts)
+        """Score with the task's tests and every source first (nothing is posted if one fails),
+        then post each part."""
+        tests = await box.verify(task) if box is not None else {}
+        parts = [(f"tests.{name}" if name != "reward" else "tests", value, True) for name, value in tests.items()]
+        for source in self.rewards:
+            parts.append(
+                (source.type, await weighted(source, task, outcome, endpoint, workdir, posted), not source.stored)
+            )
+        for i, (source_name, value, post) in enumerate(parts):
+            if post:  # its id: posted again (a retry), it still counts once
+                await admin.add_reward(session_id, value, source_name, f"runner-{i}")
+        return tuple(RewardPart(source=source_name, value=value) for source_name, value, _ in parts)
 
 
 @dataclass(frozen=True)

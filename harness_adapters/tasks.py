@@ -3,7 +3,7 @@
 A task has an `id`, a `prompt` (or `instruction`), an optional `split` ("train" unless given;
 "test", "eval", "heldout" and "validation" count as held out) and any other fields, which go to
 `data` for the verifier. Rows with missing fields are refused up front, all of them at once,
-with their line numbers.
+with their line numbers. A folder of Harbor tasks (harness_adapters/harbor.py) is a source too.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness_adapters.harbor import HarborTask
 
 HELD_OUT = ("test", "eval", "heldout", "held_out", "validation")
 
@@ -27,6 +30,7 @@ class Task:
     prompt: str
     split: str = "train"
     data: dict[str, Any] = field(default_factory=dict)
+    harbor: HarborTask | None = None  # a Harbor task: its folder (image, tests, oracle) and task.toml
 
     @property
     def held_out(self) -> bool:
@@ -47,10 +51,16 @@ def task_from_row(row: Any, where: str) -> Task:
 
 
 def load_tasks(source: str | Path, split: str | None = None) -> list[Task]:
-    """Tasks from a JSONL file, a `datasets.save_to_disk` directory or a hub dataset name
-    (`name` or `name:split`); only those of `split` ("train" or "heldout") when given."""
+    """Tasks from a JSONL file, a folder of Harbor tasks, a `datasets.save_to_disk` directory or
+    a hub dataset name (`name` or `name:split`); only those of `split` ("train" or "heldout")
+    when given."""
+    from harness_adapters.harbor import is_harbor, load_harbor
+
     path = Path(source)
-    tasks = _from_jsonl(path) if path.is_file() else _from_dataset(str(source))
+    if path.is_file():
+        tasks = _from_jsonl(path)
+    else:
+        tasks = load_harbor(path) if is_harbor(path) else _from_dataset(str(source))
     duplicates = sorted(i for i, n in Counter(t.id for t in tasks).items() if n > 1)
     if duplicates:
         raise TaskError(f"{source}: duplicate task ids {', '.join(duplicates[:10])}")

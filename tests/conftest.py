@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,15 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
 
 
 # The Debian packages of the system tools tests need; `make test` installs them (Makefile).
-SYSTEM_PACKAGES = {"bwrap": "bubblewrap", "chromium": "chromium", "initdb": "postgresql", "nginx": "nginx"}
+SYSTEM_PACKAGES = {
+    "bwrap": "bubblewrap",
+    "chromium": "chromium",
+    "initdb": "postgresql",
+    "nginx": "nginx",
+    "podman": "podman",
+    "runc": "runc",
+    "debootstrap": "debootstrap",
+}
 
 
 def system_tool(name: str) -> str:
@@ -90,6 +100,38 @@ def chromium() -> str:
 def nginx() -> str:
     """The load balancer in front of several proxies (the scale soak)."""
     return system_tool("nginx")
+
+
+@pytest.fixture(scope="session")
+def container_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A Docker Engine API client with the tasks' base image built: the engine at DOCKER_HOST
+    when one is set, else Podman's Docker-compatible service started here (tests/podman.conf),
+    once per test run. The base image is built from Debian's packages if it is not there yet."""
+    from harness_adapters.environments import BASE_IMAGE, _exists, base_image, engine
+
+    service = None
+    if not os.environ.get("DOCKER_HOST"):
+        podman = system_tool("podman")
+        system_tool("runc")
+        socket = tmp_path_factory.mktemp("podman") / "podman.sock"
+        env = {**os.environ, "CONTAINERS_CONF": str(Path(__file__).with_name("podman.conf"))}
+        service = subprocess.Popen([podman, "system", "service", "--time=0", f"unix://{socket}"], env=env)
+        os.environ["DOCKER_HOST"] = f"unix://{socket}"
+        deadline = time.monotonic() + 60
+        while not socket.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    try:
+        client = engine()
+        if not _exists(client, BASE_IMAGE):
+            system_tool("debootstrap")
+            base_image()
+        yield client
+        client.close()
+    finally:
+        if service is not None:
+            del os.environ["DOCKER_HOST"]
+            service.terminate()
+            service.wait(30)
 
 
 @pytest.fixture(scope="session")

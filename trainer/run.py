@@ -10,7 +10,7 @@ import asyncio
 import sys
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -140,6 +140,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
         if evaluation
         else []
     )
+    config.check_tasks(tasks + eval_tasks)
     start_from = config.train.warm_start_from and config.path(config.train.warm_start_from)
     warming = (state.step if state else 0) < config.train.warm_start
     if warming and start_from and missing(start_from):
@@ -183,8 +184,8 @@ def _lead(
 ) -> TrainSummary:
     """Rank 0's part: the proxy and vLLM, the rollouts, the loop, the swaps and every file."""
     out, evaluation = config.out_dir, config.eval
-    adapter, rewards = config.adapter(), config.reward_sources()
-    with proxy_for(config) as (url, model, db, upstream):
+    adapter, rewards, environment = config.adapter(), config.reward_sources(), config.resolved_environment()
+    with proxy_for(config) as (url, model, db, upstream), closing(environment):
         if db is None or upstream is None:
             raise TrainError("training needs the proxy's store and its vLLM upstream")
         replicas = Upstreams.urls(upstream)  # every one is swapped
@@ -213,8 +214,9 @@ def _lead(
 
                 def runner_for(run: str, workdir: Path) -> EpisodeRunner:
                     return EpisodeRunner(
-                        url, adapter, rewards, model, workdir, run, config.timeout, config.concurrency, token
-                    )
+                        url, adapter, rewards, model, workdir, run, config.timeout, config.concurrency, token,
+                        environment=environment,
+                    )  # fmt: skip
 
                 runner = runner_for(config.run, out / "episodes")
                 eval_runner = runner_for(f"{config.run}-eval", out / "eval") if evaluation else None

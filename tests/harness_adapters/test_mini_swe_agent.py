@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks.support.stack import Upstream
-from harness_adapters.config import CollectConfig, load_config
+from harness_adapters.environments import BubblewrapEnvironment
 from harness_adapters.episode import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
@@ -21,8 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # The model's commands run in the shell example's sandbox (bubblewrap: everything read-only but
 # the work directory): an untrained SmolLM2 once deleted /bin/sh here.
-SHELL = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "shell" / "collect.yaml"
-SANDBOX = (argv := load_config(SHELL, CollectConfig).harness.argv)[: argv.index("--") + 1]  # type: ignore[union-attr]
+SANDBOX = BubblewrapEnvironment().wrap([])
 MINI = CommandAdapter(
     [
         *SANDBOX,

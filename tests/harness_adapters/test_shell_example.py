@@ -61,8 +61,8 @@ def test_the_verifier_scores_what_the_work_directory_holds(tmp_path: Path) -> No
 def test_the_harness_can_write_only_its_work_directory(tmp_path: Path, name: str) -> None:
     """The configs' sandbox, with a shell in place of mini: the work directory is writable,
     every other path is not, /tmp (where pytest's folders are) included."""
-    harness = load_config(SHELL / name, TrainConfig if name == "train.yaml" else CollectConfig).harness
-    sandbox = harness.argv[: harness.argv.index("--") + 1]  # type: ignore[union-attr]
+    adapter = load_config(SHELL / name, TrainConfig if name == "train.yaml" else CollectConfig).adapter()
+    sandbox = adapter.argv[: adapter.argv.index("--") + 1]  # type: ignore[attr-defined]
     workdir, outside = tmp_path / "work", tmp_path / "outside.txt"
     workdir.mkdir()
     outside.write_text("keep")

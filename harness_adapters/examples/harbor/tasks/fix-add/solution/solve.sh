@@ -1,0 +1,2 @@
+#!/bin/bash
+sed -i "s/a - b/a + b/" calc.py

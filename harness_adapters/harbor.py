@@ -1,0 +1,214 @@
+"""Harbor's task format (Terminal-Bench 2.0 and the datasets published in it): a folder of
+tasks, each a folder of its own:
+
+    task.toml                (optional sections: [metadata], [agent] timeout_sec,
+                              [verifier] timeout_sec / env, [environment] cpus / memory_mb /
+                              build_timeout_sec / docker_image; other fields are kept as written)
+    instruction.md           the prompt
+    environment/Dockerfile   the task's image (or [environment] docker_image)
+    tests/test.sh            run in the container after the agent; writes the reward to
+                             /logs/verifier/reward.txt, or named rewards to reward.json
+    solution/solve.sh        the oracle (`rl-proxy tasks check` runs it)
+
+The task's id is its folder's name; its split is `[metadata] split` ("train" unless given; the
+held-out names of harness_adapters/tasks.py count as held out). A malformed task is refused by
+name with what is wrong, all of them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness_adapters.environments import ContainerEnvironment, ContainerError, say
+from harness_adapters.rewards import RewardError
+from harness_adapters.tasks import Task, TaskError
+
+
+@dataclass(frozen=True)
+class HarborTask:
+    """A Harbor task's folder and its task.toml, as written (unknown fields kept)."""
+
+    dir: Path
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def _get(self, section: str, key: str, default: Any = None) -> Any:
+        return self.config.get(section, {}).get(key, default)
+
+    @property
+    def agent_timeout(self) -> float | None:
+        return self._get("agent", "timeout_sec")
+
+    @property
+    def verifier_timeout(self) -> float:
+        return float(self._get("verifier", "timeout_sec", 600.0))
+
+    @property
+    def verifier_env(self) -> dict[str, str]:
+        return dict(self._get("verifier", "env", {}))
+
+    @property
+    def cpus(self) -> float | None:
+        return self._get("environment", "cpus")
+
+    @property
+    def memory_mb(self) -> int | None:
+        return self._get("environment", "memory_mb")
+
+    @property
+    def build_timeout(self) -> float:
+        return float(self._get("environment", "build_timeout_sec", 600.0))
+
+    @property
+    def docker_image(self) -> str | None:
+        return self._get("environment", "docker_image")
+
+
+def is_harbor(path: Path) -> bool:
+    """A Harbor task folder, or a folder of them."""
+    return path.is_dir() and (
+        (path / "task.toml").is_file() or any((sub / "task.toml").is_file() for sub in path.iterdir() if sub.is_dir())
+    )
+
+
+def load_harbor(path: Path) -> list[Task]:
+    """Every task in `path` (a folder of task folders, or one task folder)."""
+    folders = [path] if (path / "task.toml").is_file() else sorted(p for p in path.iterdir() if p.is_dir())
+    tasks, errors = [], []
+    for folder in folders:
+        try:
+            tasks.append(harbor_task(folder))
+        except TaskError as exc:
+            errors.append(f"{folder.name}: {exc}")
+    if errors:
+        raise TaskError(f"{path}: {len(errors)} malformed Harbor tasks:\n  " + "\n  ".join(errors))
+    return tasks
+
+
+# task.toml's fields that rl-proxy reads: (section, key) -> the types they may have.
+NUMBERS = (int, float)
+TYPED = {
+    ("agent", "timeout_sec"): NUMBERS,
+    ("verifier", "timeout_sec"): NUMBERS,
+    ("environment", "cpus"): NUMBERS,
+    ("environment", "memory_mb"): (int,),
+    ("environment", "build_timeout_sec"): NUMBERS,
+    ("environment", "docker_image"): (str,),
+    ("verifier", "env"): (dict,),
+    ("metadata", "split"): (str,),
+}
+
+
+def harbor_task(folder: Path) -> Task:
+    """One task folder as a Task, or TaskError saying what is wrong with it."""
+    problems = []
+    config: dict[str, Any] = {}
+    if not (folder / "task.toml").is_file():
+        problems.append("no task.toml")
+    else:
+        try:
+            config = tomllib.loads((folder / "task.toml").read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            problems.append(f"task.toml: {exc}")
+    for (section, key), types in TYPED.items():
+        part = config.get(section, {})
+        if not isinstance(part, dict):
+            problems.append(f"task.toml: [{section}] must be a table")
+            continue
+        value = part.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            problems.append(
+                f"task.toml: {section}.{key} must be {' or '.join(t.__name__ for t in types)}, not {value!r}"
+            )
+        elif isinstance(value, NUMBERS) and value <= 0:
+            problems.append(f"task.toml: {section}.{key} must be above 0, not {value!r}")
+    env = config.get("verifier", {}).get("env", {}) if isinstance(config.get("verifier"), dict) else {}
+    if isinstance(env, dict) and not all(isinstance(v, str) for v in env.values()):
+        problems.append("task.toml: verifier.env values must be strings")
+    instruction = folder / "instruction.md"
+    prompt = instruction.read_text().strip() if instruction.is_file() else ""
+    if not prompt:
+        problems.append("no instruction.md" if not instruction.is_file() else "instruction.md is empty")
+    if not (folder / "tests" / "test.sh").is_file():
+        problems.append("no tests/test.sh")
+    docker_image = (
+        config.get("environment", {}).get("docker_image") if isinstance(config.get("environment"), dict) else None
+    )
+    if not (folder / "environment" / "Dockerfile").is_file() and not docker_image:
+        problems.append("no environment/Dockerfile (and no [environment] docker_image)")
+    if problems:
+        raise TaskError("; ".join(problems))
+    metadata = config.get("metadata", {})
+    return Task(
+        id=folder.name,
+        prompt=prompt,
+        split=str(metadata.get("split") or "train"),
+        data={k: v for k, v in metadata.items() if k != "split"},
+        harbor=HarborTask(folder.resolve(), config),
+    )
+
+
+@dataclass
+class CheckResult:
+    """A task's oracle against doing nothing: a task is ok when its solution scores 1 on every
+    named reward and an untouched environment 0 on every one."""
+
+    task: str
+    oracle_reward: float | None = None
+    noop_reward: float | None = None
+    ok: bool = False
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("task", "oracle_reward", "noop_reward", "ok", "error")}
+
+
+async def check_task(environment: ContainerEnvironment, task: Task, logs: Path) -> CheckResult:
+    """Build the task's image, run its oracle then its tests in one container, and its tests
+    alone in another (logs under `logs/oracle` and `logs/noop`)."""
+    spec = task.harbor
+    assert spec is not None
+    if not (spec.dir / "solution" / "solve.sh").is_file():
+        return CheckResult(task.id, error="no solution/solve.sh: nothing to check the tests against")
+    try:
+        async with environment.episode(task, logs / "oracle") as box:
+            await box.put_folder(spec.dir / "solution", "/solution")
+            env = {str(k): str(v) for k, v in spec.config.get("solution", {}).get("env", {}).items()}
+            code = await box.shell("bash /solution/solve.sh", spec.agent_timeout or 600.0, env, "agent/oracle.txt")
+            oracle = await box.verify(task)
+        async with environment.episode(task, logs / "noop") as box:
+            noop = await box.verify(task)
+    except (ContainerError, RewardError) as exc:
+        return CheckResult(task.id, error=str(exc))
+    except TimeoutError:
+        return CheckResult(task.id, error=f"the oracle did not finish in {spec.agent_timeout or 600.0:g} s")
+    result = CheckResult(task.id, sum(oracle.values()), sum(noop.values()))
+    result.ok = all(v == 1 for v in oracle.values()) and all(v == 0 for v in noop.values())
+    if not result.ok:
+        result.error = f"the oracle (solve.sh exited {code}) scored {oracle}, doing nothing scored {noop}"
+        if all(v == 1 for v in oracle.values()):
+            result.error += ": the tests cannot tell a solution from nothing"
+    return result
+
+
+async def check_tasks(
+    environment: ContainerEnvironment, tasks: list[Task], logs: Path, concurrency: int = 2
+) -> list[CheckResult]:
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(task: Task) -> CheckResult:
+        async with limit:
+            result = await check_task(environment, task, logs / task.id)
+        verdict = "ok" if result.ok else "NOT OK"
+        say(f"{task.id}: {verdict} (oracle {result.oracle_reward}, nothing {result.noop_reward})")
+        return result
+
+    try:
+        return list(await asyncio.gather(*(one(t) for t in tasks)))
+    finally:
+        environment.close()
