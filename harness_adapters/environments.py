@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,7 +55,7 @@ BUBBLEWRAP = [
     *("bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"),
     *("--bind", "{workdir}", "{workdir}", "--die-with-parent", "--chdir", "{workdir}", "--"),
 ]
-LOGS = "/logs"  # the container's /logs/agent and /logs/verifier are the episode's work directory
+LOGS = "/logs"  # the container's /logs/agent and /logs/verifier are copied into the episode's work directory
 
 
 class ContainerError(RuntimeError):
@@ -101,7 +102,12 @@ class ContainerEnvironment(HostEnvironment):
     _client: DockerClient | None = PrivateAttr(None)
     _owner: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
     _builds: dict[str, asyncio.Lock] = PrivateAttr(default_factory=dict)
-    _started: set[str] = PrivateAttr(default_factory=set)
+    _failed: dict[str, ContainerError] = PrivateAttr(default_factory=dict)  # a build fails once a run
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled (a Ray task's copy): the same owner label, no engine connection or builds."""
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {"_client": None, "_owner": self._owner, "_builds": {}, "_failed": {}}}
 
     def client(self) -> DockerClient:
         if self._client is None:
@@ -119,8 +125,15 @@ class ContainerEnvironment(HostEnvironment):
             return str(spec.docker_image)
         tag = f"rl-proxy-task/{_slug(task.id)}:{content_hash(spec.dir / 'environment')}"
         async with self._builds.setdefault(tag, asyncio.Lock()):
+            if tag in self._failed:
+                raise self._failed[tag]
             if not _exists(self.client(), tag):
-                await asyncio.to_thread(build_image, self.client(), spec.dir / "environment", tag, spec.build_timeout)
+                context = spec.dir / "environment"
+                try:
+                    await asyncio.to_thread(build_image, self.client(), context, tag, spec.build_timeout)
+                except ContainerError as exc:
+                    self._failed[tag] = exc
+                    raise
         return tag
 
     @contextlib.asynccontextmanager
@@ -130,12 +143,7 @@ class ContainerEnvironment(HostEnvironment):
         spec = task.harbor
         cpus = self.cpus or (spec.cpus if spec else None)
         memory = self.memory_mb or (spec.memory_mb if spec else None)
-        for part in ("agent", "verifier"):
-            (workdir / part).mkdir(parents=True, exist_ok=True)
-        volumes = {
-            str((workdir / part).resolve()): {"bind": f"{LOGS}/{part}", "mode": "rw"} for part in ("agent", "verifier")
-        }
-        volumes |= {str(Path(host).resolve()): {"bind": inside, "mode": "ro"} for host, inside in self.mounts.items()}
+        volumes = {str(Path(host).resolve()): {"bind": inside, "mode": "ro"} for host, inside in self.mounts.items()}
         labels = {OWNER: self._owner, "rl-proxy.task": task.id}
         options: dict[str, Any] = {"nano_cpus": int(cpus * 1e9)} if cpus else {}
         if memory:
@@ -148,17 +156,19 @@ class ContainerEnvironment(HostEnvironment):
             )  # fmt: skip
         except Exception as exc:  # the engine's own errors: a missing image, a bad limit
             raise ContainerError(f"task {task.id}: cannot start a container of {image}: {exc}") from exc
-        self._started.add(container.id)
         try:
             info = await asyncio.to_thread(lambda: container.image.attrs["Config"])
-            yield Box(container, info.get("WorkingDir") or "/", workdir)
+            box = Box(container, info.get("WorkingDir") or "/", workdir)
+            await box.shell(f"mkdir -p {LOGS}/agent {LOGS}/verifier", 60)
+            yield box
+            with contextlib.suppress(Exception):  # what the harness left there (a killed one, too)
+                await asyncio.to_thread(box.fetch, "agent")
         finally:  # shielded: a cancelled episode (SIGTERM) still removes its container
             await asyncio.shield(asyncio.to_thread(self._remove, container.id))
 
     def _remove(self, container_id: str) -> None:
         with contextlib.suppress(Exception):  # already gone (`close()` got there first)
             self.client().containers.get(container_id).remove(force=True)
-        self._started.discard(container_id)
 
     def close(self) -> None:
         """Remove every container this run started and is still there (a run cut short)."""
@@ -181,7 +191,7 @@ class Box:
 
     container: Container
     workdir: str  # the image's working directory: where the harness runs
-    logs: Path  # the episode's work directory on the host (its agent/ and verifier/ are /logs/...)
+    logs: Path  # the episode's work directory on the host: /logs/agent and /logs/verifier are copied there
 
     async def run(self, argv: list[str], env: dict[str, str], out: BinaryIO, err: BinaryIO, timeout: float) -> int:
         """Run `argv` in the container; its exit code. At the timeout the container is killed
@@ -211,7 +221,7 @@ class Box:
                 entry.size, entry.mode, entry.mtime = len(content), 0o755, int(time.time())
                 archive.addfile(entry, io.BytesIO(content))
         target = at or self.workdir
-        await self.shell(f"mkdir -p {target}", 60)
+        await self.shell(f"mkdir -p {shlex.quote(target)}", 60)
         if not await asyncio.to_thread(self.container.put_archive, target, buffer.getvalue()):
             raise ContainerError(f"cannot copy files into {target}")
 
@@ -219,10 +229,19 @@ class Box:
         files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
         await self.put(files, at)
 
+    def fetch(self, part: str) -> None:
+        """Copy the container's /logs/<part> into the episode's work directory as <part>, over
+        the API (so a remote engine works too)."""
+        stream, _ = self.container.get_archive(f"{LOGS}/{part}")
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as archive:
+            archive.extractall(self.logs, filter="data")  # the archive holds the folder by its name
+
     async def shell(self, script: str, timeout: float, env: dict[str, str] | None = None, log: str = "") -> int:
         """`bash -c script` (sh where the image has no bash), its output appended to `log` (a
         file under the episode's work directory) when given."""
         target = self.logs / log if log else Path(os.devnull)
+        if log:
+            target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "ab") as out:
             return await self.run(["sh", "-c", script], env or {}, out, out, timeout)
 
@@ -240,6 +259,7 @@ class Box:
             )
         except TimeoutError:
             raise RewardError(f"the tests did not finish in {spec.verifier_timeout:g} s") from None
+        await asyncio.to_thread(self.fetch, "verifier")
         return read_reward(self.logs / "verifier")
 
 
@@ -273,7 +293,7 @@ def engine() -> DockerClient:
     import docker
 
     try:
-        client = docker.from_env()
+        client = docker.from_env(max_pool_size=256)  # an exec streams on a connection of its own per episode
         client.ping()
     except Exception as exc:
         where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")

@@ -46,17 +46,22 @@ def _task_like(tasks: Path, source: str, name: str, test: str | None = None, tim
 def test_tasks_check_tells_a_solution_from_nothing(container_engine: Any, tmp_path: Path) -> None:
     tasks = shutil.copytree(HARBOR / "tasks", tmp_path / "tasks")
     _task_like(tasks, "hello-file", "always-one", test="#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    _task_like(tasks, "hello-file", "broken")
+    with open(tasks / "broken" / "environment" / "Dockerfile", "a") as dockerfile:
+        dockerfile.write("RUN exit 3\n")
     check = [*CLI, "tasks", "check", str(tasks), "--json", "--logs", str(tmp_path / "logs")]
     done = subprocess.run(check, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr  # one task is not ok
     results = {r["task"]: r for r in map(json.loads, done.stdout.splitlines())}
     assert {name: (r["oracle_reward"], r["noop_reward"], r["ok"]) for name, r in results.items()} == {
         "always-one": (1.0, 1.0, False),
+        "broken": (None, None, False),
         "count-lines": (1.0, 0.0, True),
         "fix-add": (2.0, 0.0, True),  # two named rewards, each 1
         "hello-file": (1.0, 0.0, True),
     }
     assert "the tests cannot tell a solution from nothing" in results["always-one"]["error"]
+    assert "broken/environment failed" in results["broken"]["error"] and "exit 3" in results["broken"]["error"]
     assert (tmp_path / "logs" / "fix-add" / "oracle" / "verifier" / "reward.json").is_file()  # the logs are kept
     again = subprocess.run([*check[:5], str(tasks / "hello-file")], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "building image" not in again.stderr, again.stderr  # built once, cached
@@ -68,13 +73,15 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     vllm: Upstream, container_engine: Any, tmp_path: Path
 ) -> None:
     """The shipped collect config with a harness that makes one model call (the example's agent,
-    one step), then writes hello.txt and reads its own memory limit: the hello task always
-    scores 1, the others 0, so the tests saw what the harness did inside the container."""
+    one step), then writes hello.txt, reads its own limits and leaves a file in
+    /logs/agent: the hello task always scores 1, the others 0, so the tests saw what the harness
+    did inside the container (in the image's WORKDIR, /app)."""
     tasks = shutil.copytree(HARBOR / "tasks", tmp_path / "tasks")
-    _task_like(tasks, "hello-file", "slow", timeout=5)  # [agent] timeout_sec = 5
+    _task_like(tasks, "hello-file", "slow", timeout=20)  # [agent] timeout_sec = 20: its one call first
     script = (
-        'python3 /opt/rl-proxy/agent.py --steps 1 "$0"; echo hello > hello.txt; '
-        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max; "
+        'echo $PWD > /logs/agent/trace.txt; python3 /opt/rl-proxy/agent.py --steps 1 "$0"; echo hello > hello.txt; '
+        "echo limits $(cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max)"
+        " $(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || cut -d' ' -f1 /sys/fs/cgroup/cpu.max); "
         "if [ -e slow ]; then sleep 600; fi"
     )
     config = load_config(HARBOR / "collect.yaml", CollectConfig)
@@ -91,7 +98,7 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     config.proxy.upstream = vllm.url
     results, _, _ = collect(config, progress=False)
     by_task = {r.task.id: r for r in results}
-    assert by_task["slow"].status == "timeout" and by_task["slow"].error == "killed after 5 s"
+    assert by_task["slow"].status == "timeout" and by_task["slow"].error == "killed after 20 s"
     scored = {
         name: (r.status, r.reward, [(p.source, p.value) for p in r.session.outcome.parts])  # type: ignore[union-attr]
         for name, r in by_task.items()
@@ -105,10 +112,12 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     for result in results:
         assert result.calls >= 1  # the harness in the container reached the proxy
         workdir = tmp_path / "out" / "episodes" / result.session_id
+        # What it left in /logs/agent was copied out, from a container killed at its timeout too.
+        assert (workdir / "agent" / "trace.txt").read_text() == "/app\n"
         if result.status == "ok":
             assert (workdir / "verifier" / "test-stdout.txt").is_file()  # the tests' logs, collected
-            # The task's memory_mb (512) was the container's limit.
-            assert (workdir / "harness.stdout").read_text().strip().endswith(str(512 * 2**20))
+            # The task's memory_mb (512) and cpus (1: 100,000 us of every 100,000) were the container's limits.
+            assert f"limits {512 * 2**20} 100000" in (workdir / "harness.stdout").read_text()
     assert _left(container_engine) == []
 
 
