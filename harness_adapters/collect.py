@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness_adapters.config import CollectConfig
+from harness_adapters.engines import engine_for
 from harness_adapters.runner import EpisodeResult, EpisodeRunner, write_results
 from harness_adapters.tasks import load_tasks
 from proxy.app import create_app
@@ -48,7 +49,11 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    with proxy_for(config) as (url, model, db, _), Progress(*columns, disable=not progress) as bar:
+    with (
+        proxy_for(config) as (url, model, db, _),
+        engine_for(config.rollouts) as engine,
+        Progress(*columns, disable=not progress) as bar,
+    ):
         runner = EpisodeRunner(
             url,
             adapter,
@@ -60,6 +65,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
             config.concurrency,
             config.proxy.admin_token,
             environment=environment,
+            engine=engine,
         )
         job = bar.add_task("episodes", total=total, rate="")
         finished: list[EpisodeResult] = []
@@ -74,10 +80,9 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
             if progress and not bar.console.is_terminal and (time.monotonic() - said > 10 or len(finished) == total):
                 said = time.monotonic()
                 elapsed = bar.tasks[job].elapsed or 0.0
-                bar.console.print(
-                    f"episodes {len(finished)}/{total}, success {wins}/{len(finished)} ({elapsed / 60:.1f} min)",
-                    highlight=False,
-                )
+                placed = f"; {engine.describe()}" if engine else ""  # per Ray node
+                line = f"episodes {len(finished)}/{total}, success {wins}/{len(finished)} ({elapsed / 60:.1f} min)"
+                bar.console.print(line + placed, highlight=False)
 
         try:
             results = asyncio.run(runner.run_all(tasks, config.episodes_per_task, done))

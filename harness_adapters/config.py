@@ -13,6 +13,8 @@ Unknown keys are refused by name. Paths are relative to the config file. Example
       agent: agent.py:agent
     environment:
       type: host                # host | bubblewrap | container (harness_adapters/environments.py)
+    rollouts:
+      engine: local             # local | ray (harness_adapters/engines.py)
     rewards:
       - type: python
         function: agent.py:score
@@ -31,6 +33,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from harness_adapters.engines import LocalRollouts, RolloutsConfig
 from harness_adapters.environments import ContainerEnvironment, Environment, HostEnvironment
 from harness_adapters.episode import (
     Adapter,
@@ -139,6 +142,7 @@ class CollectConfig(Strict):
     out: str | None = Field(None, description="workdirs, results and the store [default: runs/<run>]")
     harness: HarnessConfig
     environment: Environment = Field(default_factory=HostEnvironment)
+    rollouts: RolloutsConfig = Field(default_factory=LocalRollouts)
     rewards: list[Reward] = Field(default_factory=list)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from harness_adapters.environments import Box
 
 OUTPUT_CHARS = 20_000  # of a harness's stdout kept as its output
+FROM_FILES: set[str] = set()  # modules load_callable loaded from a file: a Ray task takes them by value
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ def load_callable(ref: str) -> Callable[..., Any]:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
+        FROM_FILES.add(spec.name)
     else:
         module = importlib.import_module(module_ref)
     found = getattr(module, name, None)

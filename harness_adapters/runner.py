@@ -19,13 +19,16 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness_adapters.environments import Box, ContainerError, Environment, HostEnvironment
 from harness_adapters.episode import Adapter, Endpoint, Outcome
 from harness_adapters.rewards import RewardError, RewardSource, weighted
 from harness_adapters.tasks import Task
 from proxy.admin_client import AdminClient
+
+if TYPE_CHECKING:
+    from harness_adapters.engines import RayEngine
 from recorder import SessionInfo
 from recorder.episodes import EpisodeOutcome, EpisodeStatus, RewardPart, Sampling
 
@@ -36,6 +39,7 @@ class EpisodeResult:
     episode: int
     session: SessionInfo  # as ended: its status, outcome, reward and calls
     outcome: Outcome  # what the harness did
+    node: str | None = None  # the Ray node it ran on (None: this process)
 
     @property
     def session_id(self) -> str:
@@ -70,6 +74,7 @@ class EpisodeResult:
             "reward": self.reward,
             "calls": self.calls,
             "error": self.error,
+            "node": self.node,
             "outcome": self.outcome.as_json(),
         }
 
@@ -87,6 +92,7 @@ class EpisodeRunner:
     admin_token: str | None = None
     sampling: Sampling | None = None  # set by the proxy on every call, whatever the harness asks
     environment: Environment = field(default_factory=HostEnvironment)
+    engine: RayEngine | None = None  # None: every episode runs in this process
 
     def admin(self) -> AdminClient:
         """A client of the proxy's admin API (use it in `async with`)."""
@@ -110,14 +116,24 @@ class EpisodeRunner:
             return list(await asyncio.gather(*work))
 
     async def episode(self, admin: AdminClient, task: Task, n: int, group: str | None = None) -> EpisodeResult:
-        """One episode, in the GRPO group `group` (default: run/task)."""
-        session = await admin.create_session(
-            run=self.run,
-            task_id=task.id,
-            group_id=group or f"{self.run}/{task.id}",
-            metadata={"episode": n},
-            sampling=self.sampling,
+        """One episode, in the GRPO group `group` (default: run/task), here or on the engine's
+        cluster (harness_adapters/engines.py)."""
+        group = group or f"{self.run}/{task.id}"
+        if self.engine is not None:
+            return await self.engine.episode(self, admin, task, n, group)
+        return await self.play(admin, await self.open(admin, task, n, group), task, n)
+
+    async def open(
+        self, admin: AdminClient, task: Task, n: int, group: str, replaces: str | None = None
+    ) -> SessionInfo:
+        """The episode's session; `replaces`: the session of an attempt that was lost."""
+        metadata: dict[str, Any] = {"episode": n} | ({"replaces": replaces} if replaces else {})
+        return await admin.create_session(
+            run=self.run, task_id=task.id, group_id=group, metadata=metadata, sampling=self.sampling
         )
+
+    async def play(self, admin: AdminClient, session: SessionInfo, task: Task, n: int) -> EpisodeResult:
+        """Run the episode of an open session: its environment, harness and rewards; end it."""
         workdir = self.workdir / session.id
         workdir.mkdir(parents=True, exist_ok=True)
         endpoint = Endpoint(self.proxy_url, session.key, self.model, session.id)

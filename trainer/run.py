@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness_adapters.collect import proxy_for
+from harness_adapters.engines import engine_for
 from harness_adapters.rollouts import Curriculum, Rollouts
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
@@ -185,7 +186,7 @@ def _lead(
     """Rank 0's part: the proxy and vLLM, the rollouts, the loop, the swaps and every file."""
     out, evaluation = config.out_dir, config.eval
     adapter, rewards, environment = config.adapter(), config.reward_sources(), config.resolved_environment()
-    with proxy_for(config) as (url, model, db, upstream), closing(environment):
+    with proxy_for(config) as (url, model, db, upstream), closing(environment), engine_for(config.rollouts) as engine:
         if db is None or upstream is None:
             raise TrainError("training needs the proxy's store and its vLLM upstream")
         replicas = Upstreams.urls(upstream)  # every one is swapped
@@ -215,7 +216,7 @@ def _lead(
                 def runner_for(run: str, workdir: Path) -> EpisodeRunner:
                     return EpisodeRunner(
                         url, adapter, rewards, model, workdir, run, config.timeout, config.concurrency, token,
-                        environment=environment,
+                        environment=environment, engine=engine,
                     )  # fmt: skip
 
                 runner = runner_for(config.run, out / "episodes")

@@ -1,0 +1,197 @@
+"""Where episodes run: in this process (`rollouts: {engine: local}`, the default) or as Ray
+tasks on a Ray cluster (`rollouts: {engine: ray, address: ...}`).
+
+With Ray, the driver (`collect`, or the trainer) opens each episode's session through the
+proxy's admin API, then runs the rest of the episode (its environment, harness, rewards and the
+end of its session: `EpisodeRunner.play`) as a Ray task on whichever node has the resources it
+asks for. The proxies and the store stay where they are: the task talks to the proxy's URL,
+which its node must reach. A task whose node dies is not retried by Ray (its session is the
+driver's): the driver ends the lost attempt's session as `ended` with the error "lost: ..."
+(never trained: an episode trains only when its runner ended it `ok`, or `failed`/`timeout`
+by its harness) and runs the episode again under a new session in the same group (metadata
+`replaces`), up to `attempts` times. When the driver is cancelled (Ctrl-C, SIGTERM), it
+cancels its tasks: each task's episode is cancelled as it would be here (its harness's process
+group killed, its container removed), then the worker is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness_adapters.episode import FROM_FILES, Outcome
+from harness_adapters.tasks import Task
+from recorder.episodes import EpisodeOutcome
+
+if TYPE_CHECKING:
+    from harness_adapters.runner import EpisodeResult, EpisodeRunner
+    from proxy.admin_client import AdminClient
+    from recorder import SessionInfo
+
+LOST = "lost: "  # how a lost attempt's error starts
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LocalRollouts(Strict):
+    """Every episode in this process, at most `concurrency` at once."""
+
+    engine: Literal["local"] = "local"
+
+
+class RayRollouts(Strict):
+    """Every episode a Ray task on a Ray cluster."""
+
+    engine: Literal["ray"] = "ray"
+    address: str | None = Field(None, description='the cluster ("auto", host:port, ray://...); none: a new local one')
+    num_cpus: float = Field(1.0, ge=0, description="CPUs an episode asks of its node")
+    memory_mb: int | None = Field(None, gt=0, description="memory an episode asks of its node (Ray's logical memory)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {container: 1}")
+    attempts: int = Field(3, ge=1, description="runs of an episode whose node was lost, the first included")
+
+
+# The engines a config's `rollouts:` may name, told apart by `engine`.
+RolloutsConfig = Annotated[LocalRollouts | RayRollouts, Field(discriminator="engine")]
+
+
+@contextlib.contextmanager
+def engine_for(config: LocalRollouts | RayRollouts) -> Iterator[RayEngine | None]:
+    """The engine for a run (None: the local one), connected for the run's length."""
+    if isinstance(config, LocalRollouts):
+        yield None
+        return
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = not ray.is_initialized()
+    if started:
+        ours = signal.getsignal(signal.SIGTERM)
+        ray.init(address=config.address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        if threading.current_thread() is threading.main_thread():  # Ray's own handler exits at once
+            signal.signal(signal.SIGTERM, ours)
+    try:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        placement = ray.remote(Placement).options(num_cpus=0, scheduling_strategy=here).remote()
+        yield RayEngine(config, placement, ray.remote(max_retries=0)(_play))
+    finally:
+        if started:
+            ray.shutdown()
+
+
+class Placement:
+    """Which node runs which session, as the tasks report it (a Ray actor on the driver's node)."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, str] = {}
+
+    def start(self, session_id: str, node: str) -> None:
+        self.running[session_id] = node
+
+    def end(self, session_id: str) -> None:
+        self.running.pop(session_id, None)
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(self.running.values()))
+
+
+def _play(runner: EpisodeRunner, session: SessionInfo, task: Task, n: int, placement: Any) -> EpisodeResult:
+    """A Ray task: one episode of an open session, on this node."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    placement.start.remote(session.id, node)
+
+    async def main() -> EpisodeResult:
+        async with runner.admin() as admin:
+            try:
+                return await runner.play(admin, session, task, n)
+            finally:
+                runner.environment.close()
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        placement.end.remote(session.id)
+    result.node = node
+    return result
+
+
+@dataclass
+class RayEngine:
+    settings: RayRollouts
+    placement: Any  # the Placement actor
+    play: Any  # _play as a Ray task
+    submitted: int = 0
+    finished: int = 0
+    lost: list[str] = field(default_factory=list)  # the sessions of lost attempts
+
+    async def episode(self, runner: EpisodeRunner, admin: AdminClient, task: Task, n: int, group: str) -> EpisodeResult:
+        """One episode on the cluster, run again under a new session while its node is lost."""
+        import ray
+
+        for module in FROM_FILES:  # an agent loaded from a file is no module the workers can import
+            ray.cloudpickle.register_pickle_by_value(sys.modules[module])
+        from harness_adapters.runner import EpisodeResult
+
+        options: dict[str, Any] = {"num_cpus": self.settings.num_cpus, "resources": self.settings.resources}
+        if self.settings.memory_mb:
+            options["memory"] = self.settings.memory_mb * 2**20
+        replaces, ended, error = None, None, ""
+        for attempt in range(1, self.settings.attempts + 1):
+            session = await runner.open(admin, task, n, group, replaces)
+            portable = replace(runner, engine=None)  # what the task needs of it; the engine stays here
+            ref = self.play.options(**options).remote(portable, session, task, n, self.placement)
+            self.submitted += 1
+            try:
+                result: EpisodeResult = await ref
+                self.finished += 1
+                return result
+            except (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError) as exc:
+                self.finished += 1
+                self.lost.append(session.id)
+                error = f"{LOST}{type(exc).__name__} (attempt {attempt} of {self.settings.attempts})"
+                ended = await admin.end_session(session.id, "ended", EpisodeOutcome(harness="failed", error=error))
+                replaces = session.id
+            except asyncio.CancelledError:
+                await self._cancel(ref)
+                raise
+            except ray.exceptions.RayTaskError as exc:  # the episode's own code raised: as it would here
+                self.finished += 1
+                raise exc.cause from None
+        assert ended is not None
+        return EpisodeResult(task, n, ended, Outcome("failed", error=error))
+
+    async def _cancel(self, ref: Any) -> None:
+        """Cancel a running task as Ctrl-C would: its episode unwinds (its harness's process group
+        is killed, its container removed); a task still running after 15 s is killed outright."""
+        import ray
+
+        ray.cancel(ref)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not ray.wait([ref], timeout=0)[0]:
+            await asyncio.sleep(0.2)
+        ray.cancel(ref, force=True)
+
+    def describe(self) -> str:
+        """Episodes running per node and queued, for a progress line."""
+        import ray
+
+        counts = ray.get(self.placement.counts.remote())
+        running = sum(counts.values())
+        nodes = ", ".join(f"{node[:8]} {k}" for node, k in sorted(counts.items()))
+        queued = max(self.submitted - self.finished - running, 0)
+        return f"running {running} ({nodes or 'none'}), queued {queued}"

@@ -1,0 +1,151 @@
+"""Episodes as Ray tasks on a local Ray cluster of several nodes (tests/conftest.py ray_cluster),
+with the real vLLM behind the proxy: the episodes spread over the nodes and are all recorded; a
+node lost mid-run loses no episode and trains none twice; SIGTERM of the driver leaves no Ray
+task and no harness process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psutil
+import pytest
+
+from benchmarks.support.stack import Upstream, read_store
+from harness_adapters.collect import collect
+from harness_adapters.config import CollectConfig, load_config
+from recorder.episodes import RewardRule
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
+CLI_AGENT = Path(__file__).with_name("cli_agent.py")
+
+
+def _tasks(tmp_path: Path, n: int) -> str:
+    rows = (EXAMPLE / "tasks.jsonl").read_text().splitlines()[:n]
+    (tmp_path / "tasks.jsonl").write_text("\n".join(rows) + "\n")
+    return str(tmp_path / "tasks.jsonl")
+
+
+def _workers(cluster: Any) -> set[str]:
+    return {node.node_id for node in cluster.list_all_nodes() if node is not cluster.head_node}
+
+
+def test_collect_spreads_its_episodes_over_the_nodes_and_records_them_all(
+    vllm: Upstream, ray_cluster: Any, tmp_path: Path
+) -> None:
+    """The shipped arithmetic config (a Python agent loaded from a file: it travels by value)."""
+    config = load_config(EXAMPLE / "collect.yaml", CollectConfig)
+    rollouts = {"engine": "ray", "address": ray_cluster.address, "num_cpus": 1}
+    config = CollectConfig.model_validate(
+        {**config.model_dump(), "tasks": _tasks(tmp_path, 4), "episodes_per_task": 2, "out": str(tmp_path / "out"),
+         "rollouts": rollouts, "base": config.base}
+    )  # fmt: skip
+    config.proxy.upstream = vllm.url
+    results, path, db = collect(config, progress=False)
+    assert len(results) == 8 and all(r.status == "ok" and r.calls >= 1 for r in results), [r.error for r in results]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {line["node"] for line in lines} == _workers(ray_cluster)  # both worker nodes ran episodes
+    assert db is not None
+    stored = read_store(db, lambda s: s.list_sessions())
+    assert sorted(s.id for s in stored) == sorted(r.session_id for r in results)
+
+
+def test_a_lost_node_loses_no_episode_and_trains_none_twice(vllm: Upstream, ray_cluster: Any, tmp_path: Path) -> None:
+    """Eight slow episodes over both worker nodes; one node is killed (its raylet and workers:
+    Ray's remove_node without grace) while its episodes run. Each of them is run again under a
+    new session that names the lost one; the lost sessions end as lost and do not train."""
+    argv = ["sh", "-c", f'"{sys.executable}" {CLI_AGENT} "$0" && sleep 8', "{prompt}"]
+    config = CollectConfig.model_validate(
+        {"run": "lost-node", "tasks": _tasks(tmp_path, 4), "episodes_per_task": 2, "concurrency": 8,
+         "out": str(tmp_path / "out"), "harness": {"type": "command", "argv": argv},
+         "rewards": [{"type": "command", "command": ["echo", "1"]}],
+         "rollouts": {"engine": "ray", "address": ray_cluster.address, "num_cpus": 1},
+         "proxy": {"upstream": vllm.url}}
+    )  # fmt: skip
+    out: dict[str, Any] = {}
+    driver = threading.Thread(target=lambda: out.update(results=collect(config, progress=False)[0]))
+    driver.start()
+    db = str(tmp_path / "out" / "rl-proxy.db")
+    deadline = time.monotonic() + 180
+    while sum(s.calls > 0 for s in _sessions(db)) < 4:  # every slot of both nodes is in an episode
+        assert driver.is_alive() and time.monotonic() < deadline
+        time.sleep(0.5)
+    victim = next(node for node in ray_cluster.list_all_nodes() if node is not ray_cluster.head_node)
+    ray_cluster.remove_node(victim, allow_graceful=False)
+    driver.join(300)
+    ray_cluster.add_node(num_cpus=2, object_store_memory=80 << 20)  # for the tests after this one
+    results = out["results"]
+    assert len(results) == 8 and all(r.status == "ok" for r in results), [r.error for r in results]
+    sessions = {s.id: s for s in _sessions(db)}
+    lost = [s for s in sessions.values() if s.outcome and (s.outcome.error or "").startswith("lost: ")]
+    assert lost and all(s.status == "ended" for s in lost)
+    rerun = {s.metadata.get("replaces"): s for s in sessions.values() if s.metadata.get("replaces")}
+    assert set(rerun) == {s.id for s in lost}  # each lost attempt was run again, once
+    trained = [s for s in sessions.values() if s.training_reward(RewardRule()).why == ""]
+    assert sorted(s.id for s in trained) == sorted(r.session_id for r in results)  # the lost never train
+    groups = [s.group_id for s in trained]
+    assert all(groups.count(g) == 2 for g in groups)  # each group complete, exactly once
+
+
+def _sessions(db: str) -> list[Any]:
+    return read_store(db, lambda s: s.list_sessions()) if Path(db).exists() else []
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_of_the_driver_leaves_no_ray_task_and_no_harness(
+    vllm: Upstream, ray_cluster: Any, tmp_path: Path
+) -> None:
+    marker = "rlp-ray-sigterm-marker"
+    hang = f'"{sys.executable}" -c "import time; time.sleep(600)" {marker}'  # the harness's own child
+    argv = ["sh", "-c", f'"{sys.executable}" {CLI_AGENT} "$0" && {hang}', "{prompt}"]
+    config = {
+        "run": "ray-sigterm", "tasks": _tasks(tmp_path, 2), "out": str(tmp_path / "out"),
+        "harness": {"type": "command", "argv": argv},
+        "rollouts": {"engine": "ray", "address": ray_cluster.address, "num_cpus": 1},
+        "proxy": {"upstream": vllm.url},
+    }  # fmt: skip
+    (tmp_path / "collect.yaml").write_text(orjson.dumps(config).decode())
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainer.cli", "collect", str(tmp_path / "collect.yaml")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while len(_harnesses(marker)) < 2:  # both episodes' harnesses are running, on the worker nodes
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.stdout else ""
+        time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 130, output[-2000:]
+    deadline = time.monotonic() + 30
+    while _harnesses(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _harnesses(marker) == []
+    import ray
+
+    ray.init(address=ray_cluster.address)
+    try:  # every CPU of the cluster is free again: no task of the driver's is left running
+        deadline = time.monotonic() + 30
+        while (
+            ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU") and time.monotonic() < deadline
+        ):
+            time.sleep(0.5)
+        assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU") == 4
+    finally:
+        ray.shutdown()
+
+
+def _harnesses(marker: str) -> list[str]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if marker in line and "pytest" not in line:
+            found.append(line)
+    return found
