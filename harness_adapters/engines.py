@@ -147,7 +147,12 @@ class RayEngine:
             ray.cloudpickle.register_pickle_by_value(sys.modules[module])
         from harness_adapters.runner import EpisodeResult
 
-        options: dict[str, Any] = {"num_cpus": self.settings.num_cpus, "resources": self.settings.resources}
+        # SPREAD: an episode goes to the node with the fewest of them (Ray's default fills one node first).
+        options: dict[str, Any] = {
+            "num_cpus": self.settings.num_cpus,
+            "resources": self.settings.resources,
+            "scheduling_strategy": "SPREAD",
+        }
         if self.settings.memory_mb:
             options["memory"] = self.settings.memory_mb * 2**20
         replaces, ended, error = None, None, ""
