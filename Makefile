@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-train-step bench-viewer bench-scale claude-graph serve
+.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-scale claude-graph serve
 
 install: $(STAMP)
 
@@ -101,6 +101,7 @@ bench: install
 	$(PY) -m benchmarks.soak --bench
 	$(PY) -m benchmarks.bench_trajectories
 	$(PY) -m benchmarks.bench_episodes
+	$(PY) -m benchmarks.bench_rollouts
 	$(PY) -m benchmarks.bench_token_in
 	$(PY) -m benchmarks.bench_train
 	$(PY) -m benchmarks.bench_train_step
@@ -110,6 +111,9 @@ bench: install
 
 # One optimizer step on the example's batch: TRL's plain padded batch against each group's prompt
 # run once; the last line is the speed-up.
+bench-rollouts: install
+	$(PY) -m benchmarks.bench_rollouts
+
 bench-train-step: install
 	$(PY) -m benchmarks.bench_train_step
 

@@ -20,6 +20,7 @@ import pytest
 
 from benchmarks.soak_scale import nginx_bin
 from benchmarks.support.postgres import postgres_bin, temp_postgres
+from benchmarks.support.ray_cluster import local_cluster
 from benchmarks.support.stack import RunningProxy, Upstream, new_database
 from benchmarks.support.stub_upstream import stub_app
 from proxy.app import create_app
@@ -136,20 +137,10 @@ def container_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
-    """A Ray cluster of three nodes on this machine (Ray's own multi-node test cluster): a head
-    with no CPU for tasks (where a driver connects) and two worker nodes of 2 CPUs each, whose
-    death the head notices within about a second."""
-    from ray.cluster_utils import Cluster
-
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_memory_monitor_refresh_ms="0", RAY_worker_niceness="0")
-    health = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 2}
-    head = {"num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 << 20, "_system_config": health}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=80 << 20)
-    cluster.wait_for_nodes()
-    yield cluster
-    cluster.shutdown()
+    """A Ray cluster of three nodes on this machine: a head and two worker nodes of 2 CPUs each
+    (benchmarks/support/ray_cluster.py)."""
+    with local_cluster(workers=2, cpus=2) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

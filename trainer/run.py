@@ -230,6 +230,8 @@ def _lead(
                 rollouts = Rollouts(runner, tasks, config.episodes_per_task, limit, rule, curriculum)
                 loop = TrainLoop(config, learner, rollouts, store, roots, base, min(names), state, sync)
                 loop.writers = _writers(config)
+                if engine is not None:  # after each row: the episodes running per Ray node, and queued
+                    loop.writers.append(lambda _: loop.progress and loop.progress(f"episodes {engine.describe()}"))
                 async with runner.admin() as admin:
                     if checkpoint is not None:  # vLLM serves the checkpoint's weights under its version
                         await loop.serve(checkpoint, str(loop.state.version), admin)

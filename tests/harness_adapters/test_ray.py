@@ -18,6 +18,7 @@ import orjson
 import psutil
 import pytest
 
+from benchmarks.support.ray_cluster import NODE
 from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
@@ -80,7 +81,7 @@ def test_a_lost_node_loses_no_episode_and_trains_none_twice(vllm: Upstream, ray_
     victim = next(node for node in ray_cluster.list_all_nodes() if node is not ray_cluster.head_node)
     ray_cluster.remove_node(victim, allow_graceful=False)
     driver.join(300)
-    ray_cluster.add_node(num_cpus=2, object_store_memory=80 << 20)  # for the tests after this one
+    ray_cluster.add_node(num_cpus=2, **NODE)  # for the tests after this one
     results = out["results"]
     assert len(results) == 4 and all(r.status == "ok" for r in results), [r.error for r in results]
     sessions = {s.id: s for s in _sessions(db)}
