@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -137,7 +137,6 @@ class RayEngine:
     play: Any  # _play as a Ray task
     submitted: int = 0
     finished: int = 0
-    lost: list[str] = field(default_factory=list)  # the sessions of lost attempts
 
     async def episode(self, runner: EpisodeRunner, admin: AdminClient, task: Task, n: int, group: str) -> EpisodeResult:
         """One episode on the cluster, run again under a new session while its node is lost."""
@@ -163,11 +162,8 @@ class RayEngine:
             self.submitted += 1
             try:
                 result: EpisodeResult = await ref
-                self.finished += 1
                 return result
             except (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError) as exc:
-                self.finished += 1
-                self.lost.append(session.id)
                 error = f"{LOST}{type(exc).__name__} (attempt {attempt} of {self.settings.attempts})"
                 ended = await admin.end_session(session.id, "ended", EpisodeOutcome(harness="failed", error=error))
                 replaces = session.id
@@ -175,8 +171,9 @@ class RayEngine:
                 await self._cancel(ref)
                 raise
             except ray.exceptions.RayTaskError as exc:  # the episode's own code raised: as it would here
-                self.finished += 1
                 raise exc.cause from None
+            finally:
+                self.finished += 1
         assert ended is not None
         return EpisodeResult(task, n, ended, Outcome("failed", error=error))
 

@@ -157,8 +157,10 @@ class EpisodeRunner:
                         reward = sum(part.value for part in parts)
                     except RewardError as exc:
                         status, error = "failed", str(exc)
-        except ContainerError as exc:  # an image that does not build, a container that does not start
-            outcome, status, error = Outcome("failed", error=str(exc)), "failed", str(exc)
+        except ContainerError as exc:  # an image that does not build, a container that does not start:
+            # the harness never ran, so the episode is not scored (a "failed" one would train with
+            # the run's failure reward, the policy blamed for the environment)
+            outcome, status, error = Outcome("failed", error=str(exc)), "no_calls", str(exc)
         record = EpisodeOutcome(
             harness=outcome.status,
             error=error,

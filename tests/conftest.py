@@ -104,35 +104,49 @@ def nginx() -> str:
 
 
 @pytest.fixture(scope="session")
-def container_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A Docker Engine API client with the tasks' base image built: the engine at DOCKER_HOST
-    when one is set, else Podman's Docker-compatible service started here (tests/podman.conf),
-    once per test run. The base image is built from Debian's packages if it is not there yet."""
+def engine_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The DOCKER_HOST of a container engine with the tasks' base image built: the one set, else
+    Podman's Docker-compatible service started here (tests/podman.conf), once per test run. The
+    base image is built from Debian's packages if the engine lacks it."""
     from harness_adapters.environments import BASE_IMAGE, _exists, base_image, engine
 
+    given = os.environ.get("DOCKER_HOST")
     service = None
-    if not os.environ.get("DOCKER_HOST"):
+    if not given:
         podman = system_tool("podman")
         system_tool("runc")
         socket = tmp_path_factory.mktemp("podman") / "podman.sock"
         env = {**os.environ, "CONTAINERS_CONF": str(Path(__file__).with_name("podman.conf"))}
         service = subprocess.Popen([podman, "system", "service", "--time=0", f"unix://{socket}"], env=env)
-        os.environ["DOCKER_HOST"] = f"unix://{socket}"
         deadline = time.monotonic() + 60
         while not socket.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
+    url = given or f"unix://{socket}"
     try:
-        client = engine()
-        if not _exists(client, BASE_IMAGE):
-            system_tool("debootstrap")
-            base_image()
-        yield client
-        client.close()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("DOCKER_HOST", url)
+            client = engine()
+            if not _exists(client, BASE_IMAGE):
+                system_tool("debootstrap")
+                base_image()
+            client.close()
+        yield url
     finally:
         if service is not None:
-            del os.environ["DOCKER_HOST"]
             service.terminate()
             service.wait(30)
+
+
+@pytest.fixture
+def container_engine(engine_service: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A client of engine_service's engine, at DOCKER_HOST for this test only (a harness of a
+    later test, Claude Code or Codex, sees no container engine in its environment)."""
+    from harness_adapters.environments import engine
+
+    monkeypatch.setenv("DOCKER_HOST", engine_service)
+    client = engine()
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ NODE = {"object_store_memory": 80 << 20}
 def local_cluster(workers: int = 2, cpus: int = 2) -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_memory_monitor_refresh_ms="0", RAY_worker_niceness="0")
+    settings = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_memory_monitor_refresh_ms": "0", "RAY_worker_niceness": "0"}
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)  # the nodes' processes read them as they start
     health = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 2}
     cluster = Cluster(
         initialize_head=True,
@@ -29,3 +31,8 @@ def local_cluster(workers: int = 2, cpus: int = 2) -> Iterator[Any]:
         yield cluster
     finally:
         cluster.shutdown()
+        for name, value in before.items():  # what runs after (a test's harness) sees none of them
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -22,6 +22,7 @@ from benchmarks.support.stack import Upstream
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.environments import OWNER
+from recorder.episodes import RewardRule
 
 HARBOR = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "harbor"
 CLI = [sys.executable, "-m", "trainer.cli"]
@@ -78,6 +79,9 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     did inside the container (in the image's WORKDIR, /app)."""
     tasks = shutil.copytree(HARBOR / "tasks", tmp_path / "tasks")
     _task_like(tasks, "hello-file", "slow", timeout=20)  # [agent] timeout_sec = 20: its one call first
+    _task_like(tasks, "hello-file", "broken")
+    with open(tasks / "broken" / "environment" / "Dockerfile", "a") as dockerfile:
+        dockerfile.write("RUN exit 3\n")
     script = (
         'echo $PWD > /logs/agent/trace.txt; python3 /opt/rl-proxy/agent.py --steps 1 "$0"; echo hello > hello.txt; '
         "echo limits $(cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max)"
@@ -99,6 +103,11 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     results, _, _ = collect(config, progress=False)
     by_task = {r.task.id: r for r in results}
     assert by_task["slow"].status == "timeout" and by_task["slow"].error == "killed after 20 s"
+    # An image that does not build: the harness never ran, and the episode is not trained (a
+    # "failed" one would be, with the run's failure reward).
+    broken = by_task.pop("broken")
+    assert broken.status == "no_calls" and "exit 3" in (broken.error or ""), broken.error
+    assert broken.session.training_reward(RewardRule()).why == "unscored"
     scored = {
         name: (r.status, r.reward, [(p.source, p.value) for p in r.session.outcome.parts])  # type: ignore[union-attr]
         for name, r in by_task.items()
@@ -109,7 +118,7 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
         "fix-add": ("ok", 0.0, [("tests.positive", 0.0), ("tests.negative", 0.0)]),
         "hello-file": ("ok", 1.0, [("tests", 1.0)]),
     }, {name: r.error for name, r in by_task.items()}
-    for result in results:
+    for result in by_task.values():
         assert result.calls >= 1  # the harness in the container reached the proxy
         workdir = tmp_path / "out" / "episodes" / result.session_id
         # What it left in /logs/agent was copied out, from a container killed at its timeout too.
