@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -51,6 +51,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
     )
     with (
         proxy_for(config) as (url, model, db, _),
+        closing(environment),  # a run cut short (SIGTERM, Ctrl-C): no container of its stays behind
         engine_for(config.rollouts) as engine,
         Progress(*columns, disable=not progress) as bar,
     ):
@@ -84,10 +85,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
                 line = f"episodes {len(finished)}/{total}, success {wins}/{len(finished)} ({elapsed / 60:.1f} min)"
                 bar.console.print(line + placed, highlight=False)
 
-        try:
-            results = asyncio.run(runner.run_all(tasks, config.episodes_per_task, done))
-        finally:  # a run cut short (SIGTERM, Ctrl-C): no container of its stays behind
-            environment.close()
+        results = asyncio.run(runner.run_all(tasks, config.episodes_per_task, done))
     path = out / "episodes.jsonl"
     write_results(results, path)
     return results, path, db

@@ -79,10 +79,6 @@ class CommandHarness(Strict):
     def adapter(self, path: Callable[[str], str]) -> Adapter:
         return CommandAdapter([path(arg) for arg in self.argv], self.env, self.files)
 
-    def wrapped(self, environment: HostEnvironment) -> CommandHarness:
-        """This harness with its argv in the environment's sandbox (bubblewrap's, or none)."""
-        return self.model_copy(update={"argv": environment.wrap(self.argv)})
-
 
 class AgentsSdkHarness(Strict):
     """An OpenAI Agents SDK agent, from a factory."""
@@ -162,8 +158,8 @@ class CollectConfig(Strict):
 
     def adapter(self) -> Adapter:
         harness = self.harness
-        if isinstance(harness, CommandHarness):
-            harness = harness.wrapped(self.environment)
+        if isinstance(harness, CommandHarness):  # its argv in the environment's sandbox, if any
+            harness = harness.model_copy(update={"argv": self.environment.wrap(harness.argv)})
         elif isinstance(self.environment, ContainerEnvironment):
             raise ConfigError(f"environment: a container runs a command harness inside it, not a {harness.type} one")
         try:

@@ -102,12 +102,12 @@ class ContainerEnvironment(HostEnvironment):
     _client: DockerClient | None = PrivateAttr(None)
     _owner: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
     _builds: dict[str, asyncio.Lock] = PrivateAttr(default_factory=dict)
-    _failed: dict[str, ContainerError] = PrivateAttr(default_factory=dict)  # a build fails once a run
+    _images: dict[str, str | ContainerError] = PrivateAttr(default_factory=dict)  # by task folder
 
     def __getstate__(self) -> dict[Any, Any]:
         """Pickled (a Ray task's copy): the same owner label, no engine connection or builds."""
         state = super().__getstate__()
-        return {**state, "__pydantic_private__": {"_client": None, "_owner": self._owner, "_builds": {}, "_failed": {}}}
+        return {**state, "__pydantic_private__": {"_client": None, "_owner": self._owner, "_builds": {}, "_images": {}}}
 
     def client(self) -> DockerClient:
         if self._client is None:
@@ -123,18 +123,21 @@ class ContainerEnvironment(HostEnvironment):
             return BASE_IMAGE
         if not (spec.dir / "environment" / "Dockerfile").is_file():
             return str(spec.docker_image)
-        tag = f"rl-proxy-task/{_slug(task.id)}:{content_hash(spec.dir / 'environment')}"
-        async with self._builds.setdefault(tag, asyncio.Lock()):
-            if tag in self._failed:
-                raise self._failed[tag]
-            if not _exists(self.client(), tag):
+        key = str(spec.dir)  # hashed, looked up and built once a run: not at every episode
+        async with self._builds.setdefault(key, asyncio.Lock()):
+            if key not in self._images:
                 context = spec.dir / "environment"
+                tag = f"rl-proxy-task/{_slug(task.id)}:{content_hash(context)}"
                 try:
-                    await asyncio.to_thread(build_image, self.client(), context, tag, spec.build_timeout)
-                except ContainerError as exc:
-                    self._failed[tag] = exc
-                    raise
-        return tag
+                    if not _exists(self.client(), tag):
+                        await asyncio.to_thread(build_image, self.client(), context, tag, spec.build_timeout)
+                    self._images[key] = tag
+                except ContainerError as exc:  # a build that fails is not tried again this run
+                    self._images[key] = exc
+        found = self._images[key]
+        if isinstance(found, ContainerError):
+            raise found
+        return found
 
     @contextlib.asynccontextmanager
     async def episode(self, task: Task, workdir: Path) -> AsyncIterator[Box]:
@@ -237,8 +240,8 @@ class Box:
             archive.extractall(self.logs, filter="data")  # the archive holds the folder by its name
 
     async def shell(self, script: str, timeout: float, env: dict[str, str] | None = None, log: str = "") -> int:
-        """`bash -c script` (sh where the image has no bash), its output appended to `log` (a
-        file under the episode's work directory) when given."""
+        """`sh -c script`, its output appended to `log` (a file under the episode's work
+        directory) when given."""
         target = self.logs / log if log else Path(os.devnull)
         if log:
             target.parent.mkdir(parents=True, exist_ok=True)
