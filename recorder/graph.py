@@ -18,7 +18,8 @@ alone (so it works on any store, whatever proxy served the calls):
   the harness, or it failed, 499 or 5xx).
 - `subagent`: a new conversation whose first user message (or a text part of it) is a string
   argument of a tool call sampled earlier in the session (Claude Code's Agent tool and its
-  like): linked to that call.
+  like), however short (a whole part equal to a whole argument is no chance: SmolLM2 asked its
+  subagent "What to do?"): linked to that call.
 - `compaction`: a new conversation whose first messages carry an answer sampled earlier (the
   summary; not one the model copied from its own prompt), linked to the call that sampled it.
   When the subagent and the compaction rule point at the same call (an Agent prompt quoting
@@ -53,7 +54,7 @@ Edge = Literal["continue", "fork", "retry", "subagent", "compaction", "new"]
 Purpose = Literal["train", "aux"]
 EDGES: tuple[Edge, ...] = ("continue", "fork", "retry", "subagent", "compaction", "new")
 TRANSPORT = ("stream", "stream_options", "metadata", "user", "store")  # how a call is sent, not what it asks
-MIN_LINK_TEXT = 24  # characters a text must have to link two calls (short ones match by chance)
+MIN_LINK_TEXT = 24  # characters a summary must have to link two calls (short ones are found again by chance)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _string_arguments(call: CallRecord) -> set[str]:
             except orjson.JSONDecodeError:
                 continue
             values = parsed.values() if isinstance(parsed, dict) else []
-            found |= {v.strip() for v in values if isinstance(v, str) and len(v.strip()) >= MIN_LINK_TEXT}
+            found |= {v.strip() for v in values if isinstance(v, str) and v.strip()}
     return found
 
 

@@ -235,14 +235,14 @@ def test_a_text_the_model_copied_from_its_prompt_is_no_summary() -> None:
 
 
 def test_the_main_loop_stays_trained_beside_a_longer_unlinked_subagent_on_another_model() -> None:
-    """Defect 1 of issue 39: a subagent whose prompt is too short to link ("Fix it.") ran 5 calls
-    on another model name, more than the main loop's 3: the vote by call count made it the
-    policy, and the main loop aux, untrained. No vote now: the runner names the policy model,
-    and without a name an unlinked conversation is trained as its own."""
+    """Defect 1 of issue 39: a subagent that nothing links (here its harness reworded the Agent
+    call's prompt) ran 5 calls on another model name, more than the main loop's 3: the vote by
+    call count made it the policy, and the main loop aux, untrained. No vote now: the runner
+    names the policy model, and without a name an unlinked conversation is trained as its own."""
     calls = [
         node(1, ["a"], "Fix the failing test.", task="Fix it."),
         *(
-            node(2 + i, ["p", *[f"x{j}" for j in range(2 * i)]], "Fix it.", model="sub", continues=1 + i if i else None)
+            node(2 + i, ["p", *[f"x{j}" for j in range(2 * i)]], "Fix it, please.", model="sub", continues=1 + i if i else None)
             for i in range(5)
         ),
         node(7, ["a", "a1", "r1"], continues=1),
@@ -252,6 +252,18 @@ def test_the_main_loop_stays_trained_beside_a_longer_unlinked_subagent_on_anothe
     assert [named[s].trained for s in (1, 7, 8)] == [True, True, True]
     assert {named[s].purpose for s in range(2, 7)} == {"aux"}  # unlinked, on another model than the named one
     assert all(p.trained for p in place(calls))  # no name: each conversation is trained, none by a vote
+
+
+def test_a_subagent_with_a_short_prompt_is_linked() -> None:
+    """SmolLM2 in Claude Code asked its subagent "What to do?" (the CI run of 2026-11-26): the
+    24-character floor that keeps chance out of summaries left it unlinked, and on another model
+    name than the session's policy it was aux, untrained. A whole part equal to a whole argument
+    links at any length."""
+    calls = [node(1, ["a"], "List the files.", task="What to do?"), node(2, ["p"], "What to do?", model="sub")]
+    calls.append(node(3, ["p", "a2", "t2"], continues=2, model="sub"))
+    got = [(p.edge, p.parent, p.trained) for p in place(calls, policy="policy")]
+    assert got == [("new", None, True), ("subagent", 1, True), ("continue", 2, True)]
+    assert place([*calls[:1], node(2, ["p"], "What to do? Be quick.", model="sub")])[1].edge == "new"  # a part, whole
 
 
 def test_a_deliberate_repeat_is_no_retry_and_a_thrown_away_answer_is_not_trained() -> None:
