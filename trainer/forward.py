@@ -44,11 +44,10 @@ def length_buckets(lengths: Sequence[int], most: int, overhead: int = 16) -> lis
 
 def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     """Whether `shared_prefix_logps` computes what TRL's padded batch does for this model: no
-    wrapper around it (DDP, FSDP; a PEFT model is fine), not sharded by FSDP2 (its passes differ in
-    number between ranks, and each gathers from all: trainer/sharding.py), no checkpointed layer
-    (it drops the cache), a
-    plain key/value cache in every layer (a sliding window keeps only its last keys, a linear
-    attention layer has none), and RoPE whose frequencies do not depend on a pass's longest
+    wrapper around it (DDP, FSDP; a PEFT model and FSDP2, which wraps nothing, are fine), no
+    layer checkpointed by transformers (it drops the cache; `sharding.checkpoint_layers` keeps
+    it), a plain key/value cache in every layer (a sliding window keeps only its last keys, a
+    linear attention layer has none), and RoPE whose frequencies do not depend on a pass's longest
     position (dynamic, longrope)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -58,11 +57,46 @@ def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     return (
         unwrapped is model
-        and not sharded(unwrapped)
         and not unwrapped.is_gradient_checkpointing
         and not (isinstance(rope, dict) and rope.get("rope_type") in ("dynamic", "longrope"))
         and all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
     )
+
+
+def replayable(config: Any, prefix: Any = None) -> Any:
+    """A key/value cache for the shared-prompt passes that a checkpointed layer can run twice (its
+    forward again in the backward pass, `sharding.checkpoint_layers`): each layer's `update`
+    returns `prefix`'s keys and values (a cache that holds them) and the pass's, and keeps them
+    only if `prefix` is None and only the first time (the head's pass, which its replay must not
+    append to again)."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class Replayable(DynamicLayer):
+        def __init__(self, keys: Any = None, values: Any = None) -> None:
+            super().__init__()
+            self.prefix = None if keys is None else (keys, values)
+            self.reached = 0  # the positions its last pass attended over
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if self.prefix is None:
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                    self.keys, self.values = key_states, value_states
+                keys, values = key_states, value_states
+            else:
+                keys = torch.cat([self.prefix[0], key_states], dim=-2)
+                values = torch.cat([self.prefix[1], value_states], dim=-2)
+            self.reached = keys.size(-2)
+            return keys, values
+
+        def get_seq_length(self) -> int:
+            return self.prefix[0].size(-2) if self.prefix is not None else super().get_seq_length()
+
+    cache = DynamicCache(config=config)
+    cache.layers = [Replayable(*kv) for kv in prefix] if prefix is not None else [Replayable() for _ in cache.layers]
+    return cache
 
 
 def shared_prefix_logps(
@@ -82,7 +116,6 @@ def shared_prefix_logps(
     their prompt (system, demo, task), most of each sequence in the example. Positions are those
     vLLM sampled at (no left padding)."""
     import torch
-    from transformers import DynamicCache
 
     width = input_ids.size(1) - keep
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -91,39 +124,92 @@ def shared_prefix_logps(
         groups.setdefault(tuple(prompt.tolist()), []).append(row)
     # Up to the last attended column (at least one, so that a row wholly masked stays in the graph).
     lengths = (attention_mask[:, width:].cumsum(1).argmax(1) + 1).tolist()
-    rows_done, logps, entropies = [], [], []
+    plan = [
+        (prompt, [[rows[i] for i in b] for b in length_buckets([lengths[r] for r in rows], batch_size or len(rows))])
+        for prompt, rows in groups.items()
+    ]
     unwrapped = accelerator.unwrap_model(model)
     causal = unwrapped.get_base_model() if hasattr(unwrapped, "peft_config") else unwrapped  # LoRA layers inside
-    for prompt, rows in groups.items():
-        head = torch.tensor([prompt[:-1]], device=input_ids.device)
-        cache = DynamicCache(config=unwrapped.config)
-        if head.size(1):  # the prompt but its last token, whose output scores the first sampled one
+    units = [m for m in causal.modules() if sharded(m) and m is not causal]  # FSDP2's decoder layers
+    if units:
+        plan = in_step(plan)
+    rows_done, logps, entropies, idle = [], [], [], []
+    for prompt, buckets in plan:
+        # The prompt but its last token, whose output scores the first sampled one; sharded, a
+        # prompt of one token gets a head too (a masked token), so that every rank runs one.
+        head = prompt[:-1] or ((0,) if units else ())
+        seen = [int(bool(prompt[:-1]))] * len(head) + [1]  # what the rows attend to of the head and the last token
+        cache = replayable(unwrapped.config)
+        if head:
             with accelerator.autocast():
-                causal.base_model(input_ids=head, past_key_values=cache, use_cache=True)
-        for bucket in length_buckets([lengths[r] for r in rows], batch_size or len(rows)):
-            part = [rows[i] for i in bucket]
-            used = max(lengths[r] for r in part)
-            tail = attention_mask[part, width : width + used]
-            ids = torch.cat([input_ids.new_full((len(part), 1), prompt[-1]), input_ids[part, width : width + used]], 1)
-            mask = torch.cat([tail.new_ones(len(part), len(prompt)), tail], 1)
+                causal(
+                    input_ids=torch.tensor([head], device=input_ids.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            for unit, layer in zip(units, cache.layers if units else [], strict=True):  # see `in_step`
+                for kv in (layer.keys, layer.values):
+                    if kv.requires_grad:
+                        kv.register_hook(lambda _, unit=unit: unit.unshard())
+        for part in buckets:
+            used = max((lengths[r] for r in part), default=1)
+            tail = attention_mask[part, width : width + used] if part else attention_mask.new_ones(1, 1)
+            rest = input_ids[part, width : width + used] if part else input_ids.new_zeros(1, 1)
+            ids = torch.cat([input_ids.new_full((len(rest), 1), prompt[-1]), rest], 1)
+            mask = torch.cat([tail.new_tensor([seen]).expand(len(rest), -1), tail], 1)
             labels = ids.masked_fill(mask[:, -ids.size(1) :] == 0, -100)
             labels[:, 0] = -100
-            shared = DynamicCache(config=unwrapped.config)
-            if head.size(1):
-                kv = [(k.expand(len(part), -1, -1, -1), v.expand(len(part), -1, -1, -1)) for k, v, *_ in cache]
-                shared = DynamicCache(kv, config=unwrapped.config)
+            rows = len(rest)
+            expanded = (
+                None
+                if not head
+                else [(c.keys.expand(rows, -1, -1, -1), c.values.expand(rows, -1, -1, -1)) for c in cache.layers]
+            )
+            shared = replayable(unwrapped.config, expanded)
+            positions = torch.arange(len(prompt) - 1, len(prompt) + used, device=input_ids.device).expand(len(rest), -1)
             with accelerator.autocast():
                 out = model(
-                    input_ids=ids, attention_mask=mask, past_key_values=shared, labels=labels, fused_lm_head=True
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=shared,
+                    labels=labels,
+                    fused_lm_head=True,
                 )
-            if shared.get_seq_length() != len(prompt) + used:  # a layer that did not take the cache
-                raise RuntimeError(
-                    f"the shared prompt's cache holds {shared.get_seq_length()} positions after a pass, "
-                    f"not {len(prompt) + used}: this model's layers did not take it, and "
+            if (reached := min(layer.reached for layer in shared.layers)) != len(head) + 1 + used:
+                raise RuntimeError(  # a layer that did not take the cache
+                    f"a pass on the shared prompt's cache attended over {reached} positions, not "
+                    f"{len(head) + 1 + used}: this model's layers did not take it, and "
                     "prompt_cache_fits should have sent TRL's own path"
                 )
+            if not part:  # a pass that keeps the ranks in step
+                idle.append(out.log_probs.sum())
+                continue
             rows_done += part
             logps.append(torch.nn.functional.pad(out.log_probs, (0, keep - used)))
             entropies.append(torch.nn.functional.pad(out.entropy, (0, keep - used)) if compute_entropy else None)
     order = torch.tensor(rows_done, device=input_ids.device).argsort()  # back to the batch's rows
-    return torch.cat(logps)[order], torch.cat(entropies)[order] if compute_entropy else None
+    found = torch.cat(logps)[order]
+    if idle:  # in the loss at weight 0: their backward passes run, as many as the other ranks'
+        found = found + 0.0 * torch.stack(idle).sum()
+    return found, torch.cat(entropies)[order] if compute_entropy else None
+
+
+def in_step(plan: list[tuple[tuple[int, ...], list[list[int]]]]) -> list[tuple[tuple[int, ...], list[list[int]]]]:
+    """A rank's plan of passes (per prompt, its buckets of rows) topped up so that every rank runs
+    the same passes in the same order: under FSDP2 each pass gathers every layer from every rank,
+    and its backward reduce-scatters the layer's gradient, so the ranks' collectives pair up only
+    if their passes do. A missing prompt is a one-token head with one idle bucket, a missing
+    bucket an idle one (a row of one token, in the loss at weight 0).
+
+    The head's layers get their gradients through its keys and values, which the rows' passes
+    read from the cache, and not through the layers' outputs, where FSDP2 hooks the gather of
+    their weights for the backward pass: `shared_prefix_logps` hooks it on the keys and values."""
+    import torch.distributed as dist
+
+    shapes: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(shapes, [len(buckets) for _, buckets in plan])
+    most = [max(s[g] for s in shapes if g < len(s)) for g in range(max(map(len, shapes)))]
+    padded = plan + [((0, 0), [])] * (len(most) - len(plan))
+    return [(prompt, buckets + [[]] * (n - len(buckets))) for (prompt, buckets), n in zip(padded, most, strict=True)]

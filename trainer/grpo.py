@@ -85,10 +85,6 @@ class Learner:
         from trl import GRPOConfig, GRPOTrainer
 
         cpu = not torch.cuda.is_available()
-        # Gradient checkpointing (TRL's default) trades a second forward pass for memory: off
-        # unless asked for, and then enabled here (TRL's Trainer.train() would, but is not run).
-        # ddp_timeout: with several processes the other ranks wait for rank 0's batches through
-        # vLLM's start and every evaluation; torch's default 30 min would end the run.
         bf16 = not cpu and torch.cuda.is_bf16_supported()  # autocast over fp32 weights, TRL's default there
         settings = learner_settings(bf16, grpo)
         args = GRPOConfig(
@@ -110,7 +106,9 @@ class Learner:
         self.tokenizer = AutoTokenizer.from_pretrained(weights)
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=getattr(torch, weights_dtype))
         if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from trainer.sharding import checkpoint_layers
+
+            checkpoint_layers(model)  # a second forward pass per layer for memory
         peft_config = None
         if lora:
             from peft import LoraConfig

@@ -242,7 +242,13 @@ def test_the_main_loop_stays_trained_beside_a_longer_unlinked_subagent_on_anothe
     calls = [
         node(1, ["a"], "Fix the failing test.", task="Fix it."),
         *(
-            node(2 + i, ["p", *[f"x{j}" for j in range(2 * i)]], "Fix it, please.", model="sub", continues=1 + i if i else None)
+            node(
+                2 + i,
+                ["p", *[f"x{j}" for j in range(2 * i)]],
+                "Fix it, please.",
+                model="sub",
+                continues=1 + i if i else None,
+            )
             for i in range(5)
         ),
         node(7, ["a", "a1", "r1"], continues=1),

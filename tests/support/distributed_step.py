@@ -7,7 +7,8 @@ named by RLP_TEST_CRASH_RANK raises instead).
 
 GRPO is GRPOConfig fields as JSON; LORA is LoraConfig fields as JSON, or null; ROWS how many of
 the groups' 8 rows the step takes; SHARDING replicate or fsdp2 (then rank 0 saves the gathered
-weights, and those are compared).
+weights, and those are compared). Each rank writes the passes it planned and ran on the
+shared-prompt path when sharded (plans-RANK.json: per forward, the buckets of each prompt).
 """
 
 from __future__ import annotations
@@ -16,13 +17,25 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
     import torch
 
+    import trainer.forward
     from tests.support.sequences import groups
     from trainer.grpo import Learner
+
+    plans: list[dict[str, list[int]]] = []  # what each rank ran of the shared-prompt path, sharded
+    in_step = trainer.forward.in_step
+
+    def recorded(plan: Any) -> Any:
+        padded = in_step(plan)
+        plans.append({"own": [len(b) for _, b in plan], "run": [len(b) for _, b in padded]})
+        return padded
+
+    trainer.forward.in_step = recorded
 
     model, out, grpo, micro_batch = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
     lora, rows, sharding = json.loads(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
@@ -45,7 +58,9 @@ def main() -> None:
         )
         (out / f"metrics-{learner.world}.json").write_text(json.dumps({**metrics, "parameters_on_rank": per_rank}))
 
+    rank = learner.rank
     learner.lead(lead)
+    (out / f"plans-{rank}.json").write_text(json.dumps(plans))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ def _two_processes(
         ({"loss_type": "dapo"}, 3, None, 8, "accelerate", "replicate"),  # accelerate launch, as docs/deploying.md
         ({"loss_type": "dapo"}, 3, None, 8, "torchrun", "fsdp2"),  # sharded; the shared-prompt path through it
         ({"loss_type": "grpo", "beta": 0.1}, 8, None, 7, "torchrun", "fsdp2"),  # with a sharded reference model
+        ({"loss_type": "dapo", "gradient_checkpointing": True}, 3, None, 8, "torchrun", "fsdp2"),  # checkpointed layers
     ],
 )
 def test_one_step_on_two_processes_equals_one_process(
@@ -116,6 +117,11 @@ def test_one_step_on_two_processes_equals_one_process(
     whole = sum(p.numel() for p in learner.model.parameters())
     if sharding == "fsdp2":  # each rank holds about half the parameters
         assert abs(two["parameters_on_rank"] - whole / 2) < 0.01 * whole, (two["parameters_on_rank"], whole)
+        # The shared-prompt path ran sharded: the same passes on both ranks, topped up where one
+        # rank had fewer prompts in a micro-batch than the other (here in every case).
+        plans = [json.loads((tmp_path / f"plans-{rank}.json").read_text()) for rank in (0, 1)]
+        assert plans[0] and [p["run"] for p in plans[0]] == [p["run"] for p in plans[1]], plans
+        assert any(p["own"] != p["run"] for rank in plans for p in rank), plans
     else:
         assert two["parameters_on_rank"] == whole
     for key in ("loss", "grad_norm", "logprob_gap"):

@@ -181,16 +181,35 @@ def test_uneven_micro_batches_add_up_to_the_whole_batch(tiny_model: Path, tmp_pa
 
 
 def test_gradient_checkpointing_and_bf16_take_effect(tiny_model: Path, tmp_path: Path) -> None:
-    """Both are GRPOConfig keys the config accepts: each changes what a step does (TRL's
-    Trainer.train(), which would enable checkpointing, is not run)."""
-    plain = Learner(str(tiny_model), tmp_path / "plain", {}, total_steps=1)
-    assert not plain.model.is_gradient_checkpointing and plain.trl.accelerator.mixed_precision == "no"
-    checkpointed = Learner(str(tiny_model), tmp_path / "gc", {"gradient_checkpointing": True}, total_steps=1)
-    assert checkpointed.model.is_gradient_checkpointing
+    """Both are GRPOConfig keys the config accepts: each changes what a step does. Checkpointing
+    is torch's per decoder layer, on the shared-prompt step (transformers' own dropped the cache
+    it runs on): each layer runs again in the backward pass (its attention is called twice per
+    pass, the replay appending nothing to the cache), with the same loss and gradients."""
+    from trainer.forward import prompt_cache_fits
+    from trainer.sharding import decoder_layers
+
+    samples = groups()
+    found = {}
+    for name, checkpointed in (("plain", False), ("checkpointed", True)):
+        grpo = {
+            "gradient_checkpointing": checkpointed,
+            "vllm_importance_sampling_correction": False,
+        }  # no no-grad passes
+        learner = Learner(str(tiny_model), tmp_path / name, grpo, total_steps=1, micro_batch=3)
+        assert prompt_cache_fits(learner.model, learner.trl.accelerator)
+        calls: list[int] = []
+        decoder_layers(learner.model)[0].self_attn.register_forward_hook(lambda *_, c=calls: c.append(1))
+        trained = [p for p in learner.model.parameters() if p.requires_grad]
+        loss = sum(learner.part_losses(samples))
+        found[name] = (loss.detach(), torch.autograd.grad(loss, trained), len(calls))
+    (loss, grads, passes), (loss_c, grads_c, passes_c) = found["plain"], found["checkpointed"]
+    torch.testing.assert_close(loss_c, loss)
+    for a, b in zip(grads_c, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert passes_c == 2 * passes > 0
     half = Learner(str(tiny_model), tmp_path / "bf16", {"bf16": True}, total_steps=1)
     assert half.trl.accelerator.mixed_precision == "bf16"
-    for learner in (checkpointed, half):
-        assert learner.step(_batch())["grad_norm"] > 0
+    assert half.step(_batch())["grad_norm"] > 0
 
 
 def test_a_resumed_policy_keeps_the_base_model_as_its_kl_reference(tiny_model: Path, tmp_path: Path) -> None:
@@ -380,16 +399,16 @@ def test_completions_run_in_passes_of_like_lengths() -> None:
 
 
 def test_the_shared_prompt_path_stands_aside_where_it_would_be_wrong(tiny_model: Path, tmp_path: Path) -> None:
-    """Checkpointed layers drop the cache, a sliding window keeps only its last keys: TRL's own
-    path runs for those."""
+    """Layers checkpointed by transformers drop the cache, a sliding window keeps only its last
+    keys: TRL's own path runs for those."""
     from transformers import AutoModelForCausalLM, MistralConfig
 
     from trainer.forward import prompt_cache_fits
 
     plain = Learner(str(tiny_model), tmp_path / "plain", {}, total_steps=1)
     assert prompt_cache_fits(plain.model, plain.trl.accelerator)
-    checkpointed = Learner(str(tiny_model), tmp_path / "gc", {"gradient_checkpointing": True}, total_steps=1)
-    assert not prompt_cache_fits(checkpointed.model, checkpointed.trl.accelerator)
+    plain.model.gradient_checkpointing_enable()
+    assert not prompt_cache_fits(plain.model, plain.trl.accelerator)
     windowed = AutoModelForCausalLM.from_config(
         MistralConfig(
             vocab_size=64,
