@@ -129,6 +129,12 @@ class TrainSection(Strict):
         description="the learner's weights, whatever the checkpoint's: float32 master weights (bf16 autocast on a GPU "
         "that has it), or bfloat16 (half their memory; small updates are lost to rounding)",
     )
+    serve_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="what each version is saved in for vLLM: auto is what vLLM's --dtype auto serves the model in (its "
+        "16-bit dtype; bfloat16 for a float32 checkpoint); float32 for a vLLM run with --dtype float32. The learner's "
+        "float32 masters stay in its checkpoints",
+    )
     sharding: Literal["replicate", "fsdp2"] = Field(
         "replicate",
         description="with several learner processes: replicate (data parallel, every rank the whole model) or fsdp2 "

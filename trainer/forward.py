@@ -63,12 +63,12 @@ def prompt_cache_fits(model: Any, accelerator: Any) -> bool:
     )
 
 
-def replayable(config: Any, prefix: Any = None) -> Any:
+def replayable(config: Any, head: Any = None, rows: int = 1) -> Any:
     """A key/value cache for the shared-prompt passes that a checkpointed layer can run twice (its
-    forward again in the backward pass, `sharding.checkpoint_layers`): each layer's `update`
-    returns `prefix`'s keys and values (a cache that holds them) and the pass's, and keeps them
-    only if `prefix` is None and only the first time (the head's pass, which its replay must not
-    append to again)."""
+    forward again in the backward pass, `sharding.checkpoint_layers`). Without `head`, a head
+    pass's: each layer keeps the keys and values of its first call only (its replay must not
+    append them again). With `head` (such a cache, filled), a rows' pass's: each layer returns
+    the head's keys and values (expanded to `rows`) and the pass's, and keeps nothing."""
     import torch
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -76,7 +76,7 @@ def replayable(config: Any, prefix: Any = None) -> Any:
     class Replayable(DynamicLayer):
         def __init__(self, keys: Any = None, values: Any = None) -> None:
             super().__init__()
-            self.prefix = None if keys is None else (keys, values)
+            self.prefix = None if keys is None else (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
             self.reached = 0  # the positions its last pass attended over
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -95,7 +95,10 @@ def replayable(config: Any, prefix: Any = None) -> Any:
             return self.prefix[0].size(-2) if self.prefix is not None else super().get_seq_length()
 
     cache = DynamicCache(config=config)
-    cache.layers = [Replayable(*kv) for kv in prefix] if prefix is not None else [Replayable() for _ in cache.layers]
+    if head is None:
+        cache.layers = [Replayable() for _ in cache.layers]
+    else:
+        cache.layers = [Replayable(layer.keys, layer.values) for layer in head.layers]
     return cache
 
 
@@ -160,13 +163,7 @@ def shared_prefix_logps(
             mask = torch.cat([tail.new_tensor([seen]).expand(len(rest), -1), tail], 1)
             labels = ids.masked_fill(mask[:, -ids.size(1) :] == 0, -100)
             labels[:, 0] = -100
-            rows = len(rest)
-            expanded = (
-                None
-                if not head
-                else [(c.keys.expand(rows, -1, -1, -1), c.values.expand(rows, -1, -1, -1)) for c in cache.layers]
-            )
-            shared = replayable(unwrapped.config, expanded)
+            shared = replayable(unwrapped.config, cache if head else None, len(rest))
             positions = torch.arange(len(prompt) - 1, len(prompt) + used, device=input_ids.device).expand(len(rest), -1)
             with accelerator.autocast():
                 out = model(

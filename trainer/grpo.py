@@ -29,8 +29,9 @@ from typing import Any, TypeVar
 
 from recorder.records import LearnerView
 from recorder.trajectories import TrainingSequence
+from trainer import checkpoint
 from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_logps
-from trainer.sharding import average_gradients, full_norm, full_states, load_full_optimizer, save_full, shard
+from trainer.sharding import average_gradients, checkpoint_layers, full_norm, shard
 from trainer.weights import CLIPPED, importance_ratio, kl_term, learner_settings, token_weights
 
 T = TypeVar("T")
@@ -69,6 +70,7 @@ class Learner:
         lora: dict[str, Any] | None = None,
         weights_dtype: str = "float32",
         sharding: str = "replicate",
+        serve_dtype: str = "auto",
     ) -> None:
         """The policy from `model_path`; with `beta`, the KL reference is `reference` (the base
         model, when `model_path` is a checkpoint resumed from) or else the policy as loaded.
@@ -78,7 +80,8 @@ class Learner:
         kept and stepped in, whatever the checkpoint's: float32 master weights (a bf16 checkpoint
         stepped in bf16 lost 98% of an lr 1e-6 update to rounding), with bf16 autocast where the
         GPU has it, as TRL does; or bfloat16 to halve their memory. With several processes,
-        `sharding` is "replicate" (data parallel) or "fsdp2" (trainer/sharding.py)."""
+        `sharding` is "replicate" (data parallel) or "fsdp2" (trainer/sharding.py). Versions are
+        saved for vLLM in `serve_dtype` (`serving_dtype`)."""
         import torch
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -104,10 +107,9 @@ class Learner:
         adapter = Path(model_path) if lora and (Path(model_path) / "adapter_config.json").exists() else None
         weights = reference if adapter is not None and reference else model_path
         self.tokenizer = AutoTokenizer.from_pretrained(weights)
+        self.serve_dtype = checkpoint.serving_dtype(serve_dtype, weights)
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=getattr(torch, weights_dtype))
         if args.gradient_checkpointing:
-            from trainer.sharding import checkpoint_layers
-
             checkpoint_layers(model)  # a second forward pass per layer for memory
         peft_config = None
         if lora:
@@ -136,6 +138,7 @@ class Learner:
         # model is sharded before its optimizer is made (fsdp2).
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.fsdp = sharding == "fsdp2" and self.world > 1
+        self.sharding = "fsdp2" if self.fsdp else "replicate"
         if self.fsdp:
             if lora:
                 raise ValueError("sharding: fsdp2 with LoRA adapters is not built; use replicate")
@@ -452,47 +455,18 @@ class Learner:
         return bool(self.args.mask_truncated_completions and sample.sequence.truncated)
 
     def save(self, directory: Path, with_optimizer: bool = True) -> None:
-        """The weights as safetensors and the tokenizer (a directory vLLM can load or reload),
-        and the optimizer and scheduler state. Sharded (fsdp2), every rank gathers them with rank
-        0, which writes them: rank 0 calls this, and tells the others (`lead`)."""
+        """The weights vLLM serves (safetensors in `serve_dtype`, or the LoRA adapters) and the
+        tokenizer: a directory vLLM can load or reload; `with_optimizer`, a checkpoint too: the
+        float32 masters and the optimizer state in `learner/`, and the scheduler's. Sharded
+        (fsdp2), every rank takes part: rank 0 calls this, and tells the others (`lead`)."""
         if self.fsdp:
             self._broadcast(("save", (directory, with_optimizer)))
         self._save(directory, with_optimizer)
 
     def _save(self, directory: Path, with_optimizer: bool) -> None:
-        import torch
-
-        optimizer = self.trl.optimizer if with_optimizer else None
-        if self.fsdp:
-            weights, state = full_states(self.model, optimizer)
-            if self.rank:
-                return
-            directory.mkdir(parents=True, exist_ok=True)
-            save_full(self.model, weights, directory)
-        else:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.trl.accelerator.unwrap_model(self.model).save_pretrained(directory, safe_serialization=True)
-            state = None if optimizer is None else optimizer.state_dict()
-        self.tokenizer.save_pretrained(directory)
-        if state is not None:
-            scheduler = self.trl.lr_scheduler.state_dict()
-            kept = {"optimizer": state, "scheduler": scheduler, "sharding": "fsdp2" if self.fsdp else "replicate"}
-            torch.save(kept, directory / "optimizer.pt")
+        checkpoint.save_version(self, directory, with_optimizer)
         release_memory()
 
-    def load_optimizer(self, directory: Path) -> None:
-        import torch
-
-        # To the CPU first: under torchrun a CPU rank's device reads "cpu:0", which torch.load cannot restore to.
-        state = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
-        saved, now = state.get("sharding", "replicate"), "fsdp2" if self.fsdp else "replicate"
-        if saved != now:
-            raise ValueError(
-                f"{directory} holds the optimizer state of a {saved} run; this one is {now}: resume "
-                "with the sharding the run started with"
-            )
-        if self.fsdp:  # every rank reads the whole state (the checkpoint is on storage they share)
-            load_full_optimizer(self.model, self.trl.optimizer, state["optimizer"])
-        else:
-            self.trl.optimizer.load_state_dict(state["optimizer"])
-        self.trl.lr_scheduler.load_state_dict(state["scheduler"])
+    def resume(self, directory: Path) -> None:
+        """Go on from a checkpoint that `save` wrote: the masters, the optimizer and scheduler."""
+        checkpoint.resume(self, directory)

@@ -166,9 +166,10 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
         lora=config.train.lora,
         weights_dtype=config.train.weights_dtype,
         sharding=config.train.sharding,
+        serve_dtype=config.train.serve_dtype,
     )
     if checkpoint is not None:
-        learner.load_optimizer(checkpoint)
+        learner.resume(checkpoint)
     # With several processes the others only step, on their shards of rank 0's batches.
     return learner.lead(lambda: _lead(config, learner, checkpoint, state, base, tasks, eval_tasks, progress))
 

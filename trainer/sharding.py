@@ -13,7 +13,6 @@ writes (weights for vLLM, a checkpoint) is first gathered whole.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 SHARDINGS = ("replicate", "fsdp2")
@@ -103,38 +102,3 @@ def average_gradients(parameters: list[Any], world: int) -> None:
 def full_norm(norm: Any) -> float:
     """A gradient norm as a number: over FSDP2's DTensor gradients it is a DTensor itself."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
-def full_states(model: Any, optimizer: Any | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The whole model's state dict and the optimizer's, gathered from every rank's shards (a
-    collective: every rank calls it), on the CPU."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    return weights, None if optimizer is None else get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def load_full_optimizer(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
-    """Put a whole optimizer state (saved by `full_states`) into every rank's shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-def save_full(model: Any, weights: dict[str, Any], directory: Path) -> None:
-    """Write gathered weights as the model's own safetensors directory (rank 0). A parameter
-    shared by two modules (tied embeddings) is gathered once per name, as copies that
-    save_pretrained cannot tell are one: kept under its first name only, as unsharded."""
-    first: dict[int, str] = {}
-    tied = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(param), name) != name:
-            tied.add(name)
-    model.save_pretrained(
-        directory, state_dict={k: v for k, v in weights.items() if k not in tied}, safe_serialization=True
-    )

@@ -7,8 +7,11 @@ named by RLP_TEST_CRASH_RANK raises instead).
 
 GRPO is GRPOConfig fields as JSON; LORA is LoraConfig fields as JSON, or null; ROWS how many of
 the groups' 8 rows the step takes; SHARDING replicate or fsdp2 (then rank 0 saves the gathered
-weights, and those are compared). Each rank writes the passes it planned and ran on the
-shared-prompt path when sharded (plans-RANK.json: per forward, the buckets of each prompt).
+weights in float32, and those are compared). Each rank writes the passes it planned and ran on
+the shared-prompt path when sharded (plans-RANK.json: per forward, the buckets of each prompt)
+and what it holds after the step (shards-RANK.pt). With a last argument `resume`, the launch
+resumes from the first one's checkpoint instead, and each rank writes what it holds then
+(resumed-RANK.pt) and its peak memory while it resumed (resume-RANK.json).
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ def main() -> None:
 
     model, out, grpo, micro_batch = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
     lora, rows, sharding = json.loads(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-    learner = Learner(model, out / "trl", grpo, total_steps=1, micro_batch=micro_batch, lora=lora, sharding=sharding)
+    if sys.argv[8:] == ["resume"]:
+        return resume(model, out, grpo, micro_batch, sharding)
+    learner = Learner(
+        model, out / "trl", grpo, 2, micro_batch=micro_batch, lora=lora, sharding=sharding, serve_dtype="float32"
+    )
     if learner.rank and os.environ.get("RLP_TEST_CRASH_RANK") == str(learner.rank):
         raise RuntimeError(f"rank {learner.rank} crashes on purpose")
 
@@ -61,6 +68,42 @@ def main() -> None:
     rank = learner.rank
     learner.lead(lead)
     (out / f"plans-{rank}.json").write_text(json.dumps(plans))
+    torch.save(shards(learner), out / f"shards-{rank}.pt")
+
+
+def resume(model: str, out: Path, grpo: dict[str, Any], micro_batch: int, sharding: str) -> None:
+    """The second launch: a learner resumed from the first's checkpoint (`saved`), each rank's
+    shards and its peak memory (VmHWM, reset just before) while it resumed."""
+    import torch
+
+    from trainer.grpo import Learner
+
+    saved = out / "saved"
+    learner = Learner(str(saved), out / "trl", grpo, 2, micro_batch=micro_batch, reference=model, sharding=sharding)
+    before = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here
+    learner.resume(saved)
+    peak = _status("VmHWM")
+    rank = learner.rank
+    torch.save(shards(learner), out / f"resumed-{rank}.pt")
+    (out / f"resume-{rank}.json").write_text(json.dumps({"rss_before": before, "peak": peak}))
+    learner.lead(lambda: None)
+
+
+def shards(learner: Any) -> dict[str, Any]:
+    """What this rank holds of the parameters and the optimizer state (its shards when sharded)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in learner.model.parameters()]
+    state = [
+        {k: v.to_local() if hasattr(v, "to_local") else v for k, v in learner.trl.optimizer.state[p].items()}
+        for p in learner.model.parameters()
+    ]
+    return {"parameters": [t.detach().clone() for t in local], "optimizer": state}
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure, in bytes."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
 
 
 if __name__ == "__main__":

@@ -327,12 +327,47 @@ def test_a_lora_learner_saves_adapters_only_and_goes_on_from_them(tiny_model: Pa
     assert (tmp_path / "v1" / "adapter_model.safetensors").exists()
     assert not (tmp_path / "v1" / "model.safetensors").exists()
     resumed = Learner(str(tmp_path / "v1"), tmp_path / "b", {}, total_steps=1, reference=str(tiny_model), lora=LORA)
-    resumed.load_optimizer(tmp_path / "v1")
+    resumed.resume(tmp_path / "v1")
     trained = {n: p for n, p in learner.model.named_parameters() if p.requires_grad}
     again = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
     assert trained.keys() == again.keys() and any("lora_B" in n and p.abs().sum() > 0 for n, p in again.items())
     for name, param in trained.items():
         torch.testing.assert_close(again[name], param, rtol=0, atol=0)
+
+
+def test_a_version_is_served_in_bf16_and_a_checkpoint_resumes_from_the_float32_masters(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A float32 model is served by vLLM in bf16 (dtype auto): each version is written so, half
+    the bytes, and a checkpoint keeps the masters and the optimizer state beside it, which a
+    resumed learner takes exactly (the served weights alone are the masters rounded)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    grpo = {"learning_rate": 1e-3}
+    learner = Learner(str(tiny_model), tmp_path / "a", grpo, total_steps=3)
+    learner.step(groups())
+    learner.save(tmp_path / "v1")
+    served = load_file(tmp_path / "v1" / "model.safetensors")
+    assert {t.dtype for t in served.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "v1" / "config.json").read_text())["dtype"] == "bfloat16"
+    masters = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    rounded = Learner(str(tmp_path / "v1"), tmp_path / "r", grpo, total_steps=3, reference=str(tiny_model))
+    assert any(not torch.equal(p, masters[n]) for n, p in rounded.model.named_parameters())
+    resumed = Learner(str(tmp_path / "v1"), tmp_path / "b", grpo, total_steps=3, reference=str(tiny_model))
+    resumed.resume(tmp_path / "v1")
+    assert resumed.serve_dtype == torch.bfloat16
+    for name, param in resumed.model.named_parameters():
+        torch.testing.assert_close(param, masters[name], rtol=0, atol=0)
+    learner.step(groups())  # the optimizer and scheduler went on too: one more step, the same weights
+    resumed.step(groups())
+    for (name, a), b in zip(learner.model.named_parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8, msg=name)
+    whole = Learner(str(tiny_model), tmp_path / "c", grpo, total_steps=1, serve_dtype="float32")
+    whole.save(tmp_path / "v2", with_optimizer=False)
+    assert {t.dtype for t in load_file(tmp_path / "v2" / "model.safetensors").values()} == {torch.float32}
+    assert not (tmp_path / "v2" / "learner").exists()
 
 
 def test_old_policy_logprobs_are_taken_without_dropout_and_dropout_settings_are_accepted(

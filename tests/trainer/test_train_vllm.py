@@ -65,7 +65,7 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     assert (first.state.step, first.state.version) == (1, 1)
     state = LoopState.load(out / "versions" / "v1" / "state.json")
     assert state.step == 1 and state.consumed and state.samples >= 2
-    assert (out / "versions" / "v1" / "optimizer.pt").exists()
+    assert (out / "versions" / "v1" / "learner" / "scheduler.pt").exists()
 
     with pytest.raises(TrainError, match="--resume"):
         train(_config(tmp_path, vllm.url, steps=2), progress=False)
@@ -81,7 +81,7 @@ def test_train_then_resume(vllm: Upstream, restore: str, tmp_path: Path, capsys:
     # Version 2 (step 2) went to vLLM as weights alone; step 3 (the last) is a checkpoint again,
     # and the two newest versions are kept.
     versions = out / "versions"
-    assert [(v, (versions / v).exists(), (versions / v / "optimizer.pt").exists()) for v in ("v1", "v2", "v3")] == [
+    assert [(v, (versions / v).exists(), (versions / v / "learner").exists()) for v in ("v1", "v2", "v3")] == [
         ("v1", False, False),
         ("v2", True, False),
         ("v3", True, True),
