@@ -23,7 +23,7 @@ def save_version(learner: Learner, directory: Path, with_optimizer: bool) -> Non
     import torch
 
     model = learner.trl.accelerator.unwrap_model(learner.model)
-    weights = full_weights(learner.model) if learner.fsdp and not learner.lora else None  # onto rank 0
+    weights = full_weights(learner.model) if learner.fsdp else None  # onto rank 0 (FSDP2 refuses LoRA)
     directory.mkdir(parents=True, exist_ok=True)
     if not learner.rank:
         if learner.lora:
@@ -44,7 +44,13 @@ def resume(learner: Learner, directory: Path) -> None:
     import torch
 
     if not (directory / "learner" / "scheduler.pt").exists():
-        raise ValueError(f"{directory} holds no learner state (learner/): not a checkpoint of this rl-proxy")
+        older = (
+            " (optimizer.pt: written before checkpoints kept learner/)" if (directory / "optimizer.pt").exists() else ""
+        )
+        raise ValueError(
+            f"{directory} holds no learner state (learner/){older}: resume it with the rl-proxy that wrote it, "
+            "or start a new run"
+        )
     # To the CPU first: under torchrun a CPU rank's device reads "cpu:0", which torch.load cannot restore to.
     kept = torch.load(directory / "learner" / "scheduler.pt", map_location="cpu", weights_only=True)
     if kept["sharding"] != learner.sharding:
@@ -132,7 +138,7 @@ def save_served(model: Any, weights: dict[str, Any], directory: Path, dtype: Any
     for name, param in model.named_parameters(remove_duplicate=False):
         if first.setdefault(id(param), name) != name:
             tied.add(name)
-    served = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if k not in tied}
+    served = {k: v.to("cpu", dtype if v.is_floating_point() else v.dtype) for k, v in weights.items() if k not in tied}
     model.save_pretrained(directory, state_dict=served, safe_serialization=True)
     config = json.loads((directory / "config.json").read_text())  # save_pretrained wrote the masters' dtype
     config["dtype"] = str(dtype).removeprefix("torch.")

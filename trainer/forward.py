@@ -151,10 +151,11 @@ def shared_prefix_logps(
                     use_cache=True,
                     logits_to_keep=1,
                 )
-            for unit, layer in zip(units, cache.layers if units else [], strict=True):  # see `in_step`
-                for kv in (layer.keys, layer.values):
-                    if kv.requires_grad:
-                        kv.register_hook(lambda _, unit=unit: unit.unshard())
+            if units:  # see `in_step`
+                for unit, layer in zip(units, cache.layers, strict=True):
+                    for kv in (layer.keys, layer.values):
+                        if kv.requires_grad:
+                            kv.register_hook(lambda _, unit=unit: unit.unshard())
         for part in buckets:
             used = max((lengths[r] for r in part), default=1)
             tail = attention_mask[part, width : width + used] if part else attention_mask.new_ones(1, 1)

@@ -7,8 +7,9 @@ per-layer activation checkpointing that composes with both.
 FSDP2 wraps modules in place (the model stays the same object, its parameters DTensors), unlike
 DDP's wrapper. Every forward pass gathers each layer from every rank, so every rank must run the
 same passes: the shared-prompt step plans its passes per prompt and length bucket of a rank's
-own rows, and tops them up to the same plan on every rank (`forward.in_step`). What a rank
-writes (weights for vLLM, a checkpoint) is first gathered whole.
+own rows, and tops them up to the same plan on every rank (`forward.in_step`). The weights for
+vLLM are gathered whole onto rank 0; a checkpoint is written by every rank, its own shards
+(trainer/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def shard(model: Any) -> None:
 def checkpoint_layers(model: Any) -> None:
     """Activation checkpointing per decoder layer (torch's, non-reentrant): a layer keeps only its
     inputs for the backward pass and runs its forward again there. Not transformers' own, which
-    drops the key/value cache that the shared-prompt step runs on (forward.Replayable is the
-    cache a layer can run twice on)."""
+    drops the key/value cache that the shared-prompt step runs on (forward.replayable is the
+    cache a layer can run twice on). The model makes no cache of its own (a replayed layer would
+    append its keys to it twice): set here, not left to the Trainer that sets it today."""
     from torch.utils.checkpoint import checkpoint
 
+    model.config.use_cache = False
     for layer in decoder_layers(model):
 
         def forward(*args: Any, _forward: Any = layer.forward, **kwargs: Any) -> Any:

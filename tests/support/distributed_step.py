@@ -80,6 +80,9 @@ def resume(model: str, out: Path, grpo: dict[str, Any], micro_batch: int, shardi
 
     saved = out / "saved"
     learner = Learner(str(saved), out / "trl", grpo, 2, micro_batch=micro_batch, reference=model, sharding=sharding)
+    with torch.no_grad():  # what it loaded is the served float32 weights: only the resume may bring them back
+        for param in learner.model.parameters():
+            param.zero_()
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here
     learner.resume(saved)

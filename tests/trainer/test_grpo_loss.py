@@ -183,30 +183,31 @@ def test_uneven_micro_batches_add_up_to_the_whole_batch(tiny_model: Path, tmp_pa
 def test_gradient_checkpointing_and_bf16_take_effect(tiny_model: Path, tmp_path: Path) -> None:
     """Both are GRPOConfig keys the config accepts: each changes what a step does. Checkpointing
     is torch's per decoder layer, on the shared-prompt step (transformers' own dropped the cache
-    it runs on): each layer runs again in the backward pass (its attention is called twice per
-    pass, the replay appending nothing to the cache), with the same loss and gradients."""
+    it runs on) and on TRL's padded batch: each layer runs again in the backward pass (its
+    attention is called twice per pass), with the same loss and gradients."""
     from trainer.forward import prompt_cache_fits
     from trainer.sharding import decoder_layers
 
     samples = groups()
     found = {}
-    for name, checkpointed in (("plain", False), ("checkpointed", True)):
-        grpo = {
-            "gradient_checkpointing": checkpointed,
-            "vllm_importance_sampling_correction": False,
-        }  # no no-grad passes
-        learner = Learner(str(tiny_model), tmp_path / name, grpo, total_steps=1, micro_batch=3)
+    for checkpointed in (False, True):
+        grpo = {"gradient_checkpointing": checkpointed, "vllm_importance_sampling_correction": False}  # no no-grad pass
+        learner = Learner(str(tiny_model), tmp_path / str(checkpointed), grpo, total_steps=1, micro_batch=3)
         assert prompt_cache_fits(learner.model, learner.trl.accelerator)
         calls: list[int] = []
         decoder_layers(learner.model)[0].self_attn.register_forward_hook(lambda *_, c=calls: c.append(1))
         trained = [p for p in learner.model.parameters() if p.requires_grad]
-        loss = sum(learner.part_losses(samples))
-        found[name] = (loss.detach(), torch.autograd.grad(loss, trained), len(calls))
-    (loss, grads, passes), (loss_c, grads_c, passes_c) = found["plain"], found["checkpointed"]
-    torch.testing.assert_close(loss_c, loss)
-    for a, b in zip(grads_c, grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    assert passes_c == 2 * passes > 0
+        for shared in (True, False):
+            learner.shared_prefix = shared
+            calls.clear()
+            loss = sum(learner.part_losses(samples))
+            found[checkpointed, shared] = (loss.detach(), torch.autograd.grad(loss, trained), len(calls))
+    for shared in (True, False):
+        (loss, grads, passes), (loss_c, grads_c, passes_c) = found[False, shared], found[True, shared]
+        torch.testing.assert_close(loss_c, loss)
+        for a, b in zip(grads_c, grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert passes_c == 2 * passes > 0
     half = Learner(str(tiny_model), tmp_path / "bf16", {"bf16": True}, total_steps=1)
     assert half.trl.accelerator.mixed_precision == "bf16"
     assert half.step(_batch())["grad_norm"] > 0
