@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks.bench_episodes import EXAMPLE, bench_vllm
 from benchmarks.bench_train_step import example_batch
+from benchmarks.support.memory import peak_above
 from benchmarks.support.streams import streams_in_flight
 from harness_adapters.config import load_config
 from trainer.config import LORA_DEFAULTS, TrainConfig
@@ -108,16 +109,9 @@ def resume_variant(saved: Path, out: Path) -> None:
     config = load_config(EXAMPLE / "train.yaml", TrainConfig)
     base = resolve_model("default")[0]
     learner = Learner(str(saved), out / "trl", config.train.grpo, 2, reference=base, sharding="fsdp2")
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
-    learner.resume(saved)
-    (out / f"resume-{learner.rank}.json").write_text(json.dumps({"above_gb": (_status("VmHWM") - before) / 2**30}))
+    above = peak_above(lambda: learner.resume(saved))
+    (out / f"resume-{learner.rank}.json").write_text(json.dumps({"above_gb": above / 2**30}))
     learner.lead(lambda: None)
-
-
-def _status(key: str) -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
-    return int(line.split()[1]) * 1024
 
 
 def run_variant(

@@ -76,6 +76,7 @@ def resume(model: str, out: Path, grpo: dict[str, Any], micro_batch: int, shardi
     shards and its peak memory (VmHWM, reset just before) while it resumed."""
     import torch
 
+    from benchmarks.support.memory import peak_above
     from trainer.grpo import Learner
 
     saved = out / "saved"
@@ -83,13 +84,10 @@ def resume(model: str, out: Path, grpo: dict[str, Any], micro_batch: int, shardi
     with torch.no_grad():  # what it loaded is the served float32 weights: only the resume may bring them back
         for param in learner.model.parameters():
             param.zero_()
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here
-    learner.resume(saved)
-    peak = _status("VmHWM")
+    above = peak_above(lambda: learner.resume(saved))
     rank = learner.rank
     torch.save(shards(learner), out / f"resumed-{rank}.pt")
-    (out / f"resume-{rank}.json").write_text(json.dumps({"rss_before": before, "peak": peak}))
+    (out / f"resume-{rank}.json").write_text(json.dumps({"above": above}))
     learner.lead(lambda: None)
 
 
@@ -101,12 +99,6 @@ def shards(learner: Any) -> dict[str, Any]:
         for p in learner.model.parameters()
     ]
     return {"parameters": [t.detach().clone() for t in local], "optimizer": state}
-
-
-def _status(key: str) -> int:
-    """A /proc/self/status figure, in bytes."""
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
-    return int(line.split()[1]) * 1024
 
 
 if __name__ == "__main__":
