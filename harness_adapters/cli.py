@@ -17,7 +17,7 @@ from rich.table import Table
 from harness_adapters.collect import collect as run_collect
 from harness_adapters.config import CollectConfig, ConfigError, load_config
 from harness_adapters.environments import BASE_IMAGE, ContainerEnvironment, ContainerError, base_image
-from harness_adapters.harbor import check_tasks, is_harbor, load_harbor
+from harness_adapters.harbor import CheckResult, check_tasks, is_harbor, read_harbor
 from harness_adapters.runner import summary
 from harness_adapters.tasks import TaskError
 from proxy.server import stop_on_sigterm
@@ -56,6 +56,7 @@ def collect(
         "failed",
         "timeout",
         "no calls",
+        "infra",
         title=f"run {loaded.run}: success = reward >= {loaded.success_at:g}",
     )
     rows = summary(results, loaded.success_at)
@@ -69,14 +70,15 @@ def collect(
             str(row.failed),
             str(row.timeout),
             str(row.no_calls),
+            str(row.infra),
         )
     wins = sum(row.success for row in rows)
-    table.add_row("all", str(len(results)), f"{wins} ({wins / max(len(results), 1):.0%})", "", "", "", "")
+    table.add_row("all", str(len(results)), f"{wins} ({wins / max(len(results), 1):.0%})", "", "", "", "", "")
     console.print(table)
     if db:
         console.print(grade_line(asyncio.run(_grades(db, [r.session_id for r in results]))), highlight=False)
     for r in results:
-        if r.status == "no_calls":
+        if r.status in ("no_calls", "ended"):
             console.print(f"[yellow]{r.session_id}[/yellow] (task {r.task.id}): {r.error}", highlight=False)
     console.print(f"episodes: {path}" + (f"\nstore: {db}  (rl-proxy export --db {db} ...)" if db else ""))
 
@@ -89,13 +91,16 @@ def tasks_check(
     logs: Annotated[Path, typer.Option(help="the oracle's and the tests' logs, per task")] = Path("runs/tasks-check"),
 ) -> None:
     """For each task: build its image, run its oracle (solution/solve.sh, then the tests: the reward
-    must be 1) and nothing (the tests alone: the reward must be 0). Exits 1 when a task is not ok."""
+    must be 1) and nothing (the tests alone: the reward must be 0). A malformed task is a row that
+    is not ok, with what is wrong. Exits 1 when a task is not ok."""
     stop_on_sigterm()
     try:
         if not is_harbor(folder):
             raise TaskError(f"{folder}: not a Harbor task folder (no task.toml in it or its folders)")
-        tasks = load_harbor(folder)
-        results = asyncio.run(check_tasks(ContainerEnvironment(), tasks, logs, concurrency))
+        tasks, malformed = read_harbor(folder)  # a malformed task is a row that is not ok
+        results = asyncio.run(check_tasks(ContainerEnvironment(), tasks, logs, concurrency)) if tasks else []
+        results += [CheckResult(name, error=f"malformed: {error}") for name, error in malformed.items()]
+        results.sort(key=lambda r: r.task)
     except (TaskError, ContainerError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from exc

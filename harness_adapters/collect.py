@@ -52,7 +52,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
     with (
         proxy_for(config) as (url, model, db, _),
         closing(environment),  # a run cut short (SIGTERM, Ctrl-C): no container of its stays behind
-        engine_for(config.rollouts) as engine,
+        engine_for(config.rollouts, environment) as engine,
         Progress(*columns, disable=not progress) as bar,
     ):
         runner = EpisodeRunner(
@@ -67,6 +67,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
             config.proxy.admin_token,
             environment=environment,
             engine=engine,
+            attempts=config.rollouts.attempts,
         )
         job = bar.add_task("episodes", total=total, rate="")
         finished: list[EpisodeResult] = []

@@ -188,6 +188,11 @@ class CollectConfig(Strict):
         before any episode runs)."""
         sources = []
         for i, source in enumerate(self.rewards):
+            if source.type == "harness" and isinstance(self.environment, ContainerEnvironment):
+                raise ConfigError(
+                    f"rewards[{i}]: a harness reward is what the agent posts itself, and a container's agent "
+                    "cannot reach the admin API (docs/environments.md): score it with its tests or another source"
+                )
             try:
                 sources.append(source.resolved(self.path))
             except (ValueError, ImportError, OSError) as exc:

@@ -5,13 +5,16 @@ With Ray, the driver (`collect`, or the trainer) opens each episode's session th
 proxy's admin API, then runs the rest of the episode (its environment, harness, rewards and the
 end of its session: `EpisodeRunner.play`) as a Ray task on whichever node has the resources it
 asks for. The proxies and the store stay where they are: the task talks to the proxy's URL,
-which its node must reach. A task whose node dies is not retried by Ray (its session is the
-driver's): the driver ends the lost attempt's session as `ended` with the error "lost: ..."
-(never trained: an episode trains only when its runner ended it `ok`, or `failed`/`timeout`
-by its harness) and runs the episode again under a new session in the same group (metadata
-`replaces`), up to `attempts` times. When the driver is cancelled (Ctrl-C, SIGTERM), it
-cancels its tasks: each task's episode is cancelled as it would be here (its harness's process
-group killed, its container removed), then the worker is killed.
+which its node must reach. A task that Ray could not finish (its node or worker lost, killed
+for memory, an object lost, an error that escaped the episode) is not retried by Ray (its
+session is the driver's): the driver ends the lost attempt's session as `ended` with the error
+"lost: ..." (never trained: an episode trains only when its runner ended it `ok`, or
+`failed`/`timeout` by its harness) and the runner runs the episode again under a new session in
+the same group (metadata `replaces`), up to `attempts` times. A task's episode removes its own
+container only; at the end of the run every live node removes whatever of the run's containers
+is left there (a lost attempt's). When the driver is cancelled (Ctrl-C, SIGTERM), it cancels its
+tasks: each task's episode is cancelled as it would be here (its harness's process group killed,
+its container removed), then the worker is killed.
 """
 
 from __future__ import annotations
@@ -30,16 +33,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness_adapters.environments import ContainerEnvironment, Environment
 from harness_adapters.episode import FROM_FILES, Outcome
 from harness_adapters.tasks import Task
-from recorder.episodes import EpisodeOutcome
 
 if TYPE_CHECKING:
     from harness_adapters.runner import EpisodeResult, EpisodeRunner
     from proxy.admin_client import AdminClient
     from recorder import SessionInfo
-
-LOST = "lost: "  # how a lost attempt's error starts
 
 
 class Strict(BaseModel):
@@ -50,17 +51,17 @@ class LocalRollouts(Strict):
     """Every episode in this process, at most `concurrency` at once."""
 
     engine: Literal["local"] = "local"
+    attempts: int = Field(3, ge=1, description="runs of an episode that infrastructure faults ended, the first too")
 
 
-class RayRollouts(Strict):
+class RayRollouts(LocalRollouts):
     """Every episode a Ray task on a Ray cluster."""
 
-    engine: Literal["ray"] = "ray"
+    engine: Literal["ray"] = "ray"  # type: ignore[assignment]
     address: str | None = Field(None, description='the cluster ("auto", host:port, ray://...); none: a new local one')
     num_cpus: float = Field(1.0, ge=0, description="CPUs an episode asks of its node")
     memory_mb: int | None = Field(None, gt=0, description="memory an episode asks of its node (Ray's logical memory)")
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {container: 1}")
-    attempts: int = Field(3, ge=1, description="runs of an episode whose node was lost, the first included")
 
 
 # The engines a config's `rollouts:` may name, told apart by `engine`.
@@ -68,8 +69,11 @@ RolloutsConfig = Annotated[LocalRollouts | RayRollouts, Field(discriminator="eng
 
 
 @contextlib.contextmanager
-def engine_for(config: LocalRollouts | RayRollouts) -> Iterator[RayEngine | None]:
-    """The engine for a run (None: the local one), connected for the run's length."""
+def engine_for(
+    config: LocalRollouts | RayRollouts, environment: Environment | None = None
+) -> Iterator[RayEngine | None]:
+    """The engine for a run (None: the local one), connected for the run's length; at its end,
+    every live node removes the run's containers left there (`environment`'s)."""
     if isinstance(config, LocalRollouts):
         yield None
         return
@@ -88,8 +92,28 @@ def engine_for(config: LocalRollouts | RayRollouts) -> Iterator[RayEngine | None
         placement = ray.remote(Placement).options(num_cpus=0, scheduling_strategy=here).remote()
         yield RayEngine(config, placement, ray.remote(max_retries=0)(_play))
     finally:
+        if isinstance(environment, ContainerEnvironment):
+            reap_everywhere(environment)
         if started:
             ray.shutdown()
+
+
+def reap_everywhere(environment: Environment) -> None:
+    """Remove the run's containers left on every live node of the cluster (a lost attempt's)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+    reap = ray.remote(num_cpus=0, max_retries=0)(_reap)
+    refs = [
+        reap.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(environment)
+        for node in nodes
+    ]
+    ray.wait(refs, num_returns=len(refs), timeout=60)
+
+
+def _reap(environment: Environment) -> None:
+    environment.close()
 
 
 class Placement:
@@ -119,8 +143,10 @@ def _play(runner: EpisodeRunner, session: SessionInfo, task: Task, n: int, place
         async with runner.admin() as admin:
             try:
                 return await runner.play(admin, session, task, n)
-            finally:
-                runner.environment.close()
+            finally:  # its own container is gone already; the others on this node are not its own
+                disconnect = getattr(runner.environment, "disconnect", None)
+                if disconnect is not None:
+                    disconnect()
 
     try:
         result = asyncio.run(main())
@@ -134,17 +160,19 @@ def _play(runner: EpisodeRunner, session: SessionInfo, task: Task, n: int, place
 class RayEngine:
     settings: RayRollouts
     placement: Any  # the Placement actor
-    play: Any  # _play as a Ray task
+    play_remote: Any  # _play as a Ray task
     submitted: int = 0
     finished: int = 0
 
-    async def episode(self, runner: EpisodeRunner, admin: AdminClient, task: Task, n: int, group: str) -> EpisodeResult:
-        """One episode on the cluster, run again under a new session while its node is lost."""
+    async def play(
+        self, runner: EpisodeRunner, admin: AdminClient, session: SessionInfo, task: Task, n: int
+    ) -> EpisodeResult:
+        """One attempt of an episode on the cluster; one that Ray lost is ended "lost: ..."."""
         import ray
 
         for module in FROM_FILES:  # an agent loaded from a file is no module the workers can import
             ray.cloudpickle.register_pickle_by_value(sys.modules[module])
-        from harness_adapters.runner import EpisodeResult
+        from harness_adapters.runner import LOST
 
         # SPREAD: an episode goes to the node with the fewest of them (Ray's default fills one node first).
         options: dict[str, Any] = {
@@ -154,28 +182,22 @@ class RayEngine:
         }
         if self.settings.memory_mb:
             options["memory"] = self.settings.memory_mb * 2**20
-        replaces, ended, error = None, None, ""
-        for attempt in range(1, self.settings.attempts + 1):
-            session = await runner.open(admin, task, n, group, replaces)
-            portable = replace(runner, engine=None)  # what the task needs of it; the engine stays here
-            ref = self.play.options(**options).remote(portable, session, task, n, self.placement)
-            self.submitted += 1
-            try:
-                result: EpisodeResult = await ref
-                return result
-            except (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError) as exc:
-                error = f"{LOST}{type(exc).__name__} (attempt {attempt} of {self.settings.attempts})"
-                ended = await admin.end_session(session.id, "ended", EpisodeOutcome(harness="failed", error=error))
-                replaces = session.id
-            except asyncio.CancelledError:
-                await self._cancel(ref)
-                raise
-            except ray.exceptions.RayTaskError as exc:  # the episode's own code raised: as it would here
-                raise exc.cause from None
-            finally:
-                self.finished += 1
-        assert ended is not None
-        return EpisodeResult(task, n, ended, Outcome("failed", error=error))
+        portable = replace(runner, engine=None)  # what the task needs of it; the engine stays here
+        ref = self.play_remote.options(**options).remote(portable, session, task, n, self.placement)
+        self.submitted += 1
+        try:
+            result: EpisodeResult = await ref
+            return result
+        except asyncio.CancelledError:
+            await self._cancel(ref)
+            raise
+        except ray.exceptions.RayError as exc:  # node or worker lost, out of memory, object lost, escaped error
+            self.placement.end.remote(session.id)  # a task that died never said so itself
+            cause = getattr(exc, "cause", None) or exc
+            error = f"{LOST}{type(exc).__name__}: {str(cause)[:500]}"
+            return await runner.end_infra(admin, session, task, n, Outcome("failed", error=error), error)
+        finally:
+            self.finished += 1
 
     async def _cancel(self, ref: Any) -> None:
         """Cancel a running task as Ctrl-C would: its episode unwinds (its harness's process group

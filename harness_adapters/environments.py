@@ -10,10 +10,15 @@
   *inside* the container (`docker exec` of the command harness's argv, in the image's working
   directory), so the model's commands act on the task's files, toolchain and tests; a harness
   installed on the host gets in by `mounts` (read-only), or is installed into the image. The
-  container shares the host's network: the harness reaches the proxy at the same loopback URL,
-  and the proxy's loopback-only guard holds (see docs/environments.md for the trade-off).
-  CPU and memory limits come from the config, else from the task. After the harness, a Harbor
-  task's `tests/test.sh` runs in the same container; the container is removed after every
+  container has no network but its own loopback, where the episode's gateway
+  (harness_adapters/gateway.py) serves the proxy's model routes under the episode's key and
+  nothing else: the agent cannot reach the admin API, vLLM or any other service of the host
+  (`network: host` gives it the host's network instead: for an engine on another machine only).
+  CPU and memory limits come from the config, else from the task (Harbor's defaults: 1 CPU,
+  2048 MB). When the harness ends, however it ends (its exit, an error, its timeout), every
+  process it left in the container is killed; then a Harbor task's `tests/` are copied in (the
+  agent never saw them) and `tests/test.sh` runs with an empty /logs/verifier, so the reward is
+  what the tests wrote and nothing the agent planted. The container is removed after every
   episode, and `close()` removes whatever a cancelled run left (SIGTERM, Ctrl-C, a crash).
 """
 
@@ -35,19 +40,22 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from harness_adapters.gateway import GatewayError, container_pid, gateway
 from harness_adapters.rewards import RewardError
 from harness_adapters.tasks import Task
 
 if TYPE_CHECKING:
     from docker import DockerClient
     from docker.models.containers import Container
+
+T = TypeVar("T")
 
 BASE_IMAGE = "rl-proxy/debian:bookworm"  # built from Debian's packages: `rl-proxy tasks base-image`
 OWNER = "rl-proxy.owner"  # the label on every container a run starts: what `close()` removes
@@ -60,6 +68,10 @@ LOGS = "/logs"  # the container's /logs/agent and /logs/verifier are copied into
 
 class ContainerError(RuntimeError):
     """No container engine, an image that cannot be built, a container that cannot start."""
+
+
+class BuildError(ContainerError):
+    """A task's image that does not build (cached for the run: not tried again)."""
 
 
 class Strict(BaseModel):
@@ -75,7 +87,9 @@ class HostEnvironment(Strict):
         return argv
 
     @contextlib.asynccontextmanager
-    async def episode(self, task: Task, workdir: Path) -> AsyncIterator[Box | None]:
+    async def episode(
+        self, task: Task, workdir: Path, proxy_url: str | None = None, key: str = ""
+    ) -> AsyncIterator[Box | None]:
         yield None
 
     def close(self) -> None:
@@ -99,6 +113,11 @@ class ContainerEnvironment(HostEnvironment):
     cpus: float | None = Field(None, gt=0, description="CPU limit [default: the task's, else none]")
     memory_mb: int | None = Field(None, gt=0, description="memory limit [default: the task's, else none]")
     mounts: dict[str, str] = Field(default_factory=dict, description="host path -> container path, read-only")
+    network: Literal["gateway", "host"] = Field(
+        "gateway",
+        description="gateway: only the proxy's model routes, on the container's loopback (needs the engine on this "
+        "machine, as root); host: the host's whole network, loopback services included (an engine elsewhere)",
+    )
     _client: DockerClient | None = PrivateAttr(None)
     _owner: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
     _builds: dict[str, asyncio.Lock] = PrivateAttr(default_factory=dict)
@@ -140,8 +159,12 @@ class ContainerEnvironment(HostEnvironment):
         return found
 
     @contextlib.asynccontextmanager
-    async def episode(self, task: Task, workdir: Path) -> AsyncIterator[Box]:
-        """A container for one episode, removed when the episode is over, whatever ends it."""
+    async def episode(
+        self, task: Task, workdir: Path, proxy_url: str | None = None, key: str = ""
+    ) -> AsyncIterator[Box]:
+        """A container for one episode, removed when the episode is over, whatever ends it. With
+        `proxy_url` (and the episode's `key`), the box's `proxy_url` is where the harness inside
+        reaches the proxy."""
         image = await self.image_for(task)
         spec = task.harbor
         cpus = self.cpus or (spec.cpus if spec else None)
@@ -151,21 +174,31 @@ class ContainerEnvironment(HostEnvironment):
         options: dict[str, Any] = {"nano_cpus": int(cpus * 1e9)} if cpus else {}
         if memory:
             options["mem_limit"] = f"{memory}m"
+        network = "host" if self.network == "host" else "none"
         create = self.client().containers.run
         try:
+            # `sleep` is the container's PID 1, so that `kill -9 -1` in it ends everything else.
             container = await asyncio.to_thread(
-                create, image, ["sleep", "infinity"], detach=True, network_mode="host", labels=labels,
-                volumes=volumes, init=True, **options,
+                create, image, ["sleep", "infinity"], detach=True, network_mode=network, labels=labels,
+                volumes=volumes, **options,
             )  # fmt: skip
         except Exception as exc:  # the engine's own errors: a missing image, a bad limit
             raise ContainerError(f"task {task.id}: cannot start a container of {image}: {exc}") from exc
         try:
-            info = await asyncio.to_thread(lambda: container.image.attrs["Config"])
-            box = Box(container, info.get("WorkingDir") or "/", workdir)
-            await box.shell(f"mkdir -p {LOGS}/agent {LOGS}/verifier", 60)
-            yield box
-            with contextlib.suppress(Exception):  # what the harness left there (a killed one, too)
-                await asyncio.to_thread(box.fetch, "agent")
+            async with contextlib.AsyncExitStack() as stack:
+                inside = proxy_url
+                if proxy_url is not None and network == "none":
+                    pid = await _engine(container_pid, container)
+                    try:
+                        inside = await stack.enter_async_context(gateway(pid, proxy_url, key))
+                    except GatewayError as exc:
+                        raise ContainerError(f"task {task.id}: {exc}") from exc
+                info = await _engine(lambda: container.image.attrs["Config"])
+                box = Box(container, info.get("WorkingDir") or "/", workdir, inside)
+                await box.shell(f"mkdir -p {LOGS}/agent {LOGS}/verifier", 60)
+                yield box
+                with contextlib.suppress(Exception):  # what the harness left there (a killed one, too)
+                    await asyncio.to_thread(box.fetch, "agent")
         finally:  # shielded: a cancelled episode (SIGTERM) still removes its container
             await asyncio.shield(asyncio.to_thread(self._remove, container.id))
 
@@ -174,14 +207,26 @@ class ContainerEnvironment(HostEnvironment):
             self.client().containers.get(container_id).remove(force=True)
 
     def close(self) -> None:
-        """Remove every container this run started and is still there (a run cut short)."""
-        if self._client is None:
-            return
-        for container in self._client.containers.list(all=True, filters={"label": f"{OWNER}={self._owner}"}):
+        """Remove every container of this run still there (a run cut short, an attempt whose
+        Ray worker died), then disconnect. The run's end only: an episode removes its own."""
+        with contextlib.suppress(ContainerError):  # no engine here: none of the run's containers either
+            self.reap()
+        self.disconnect()
+
+    def reap(self) -> int:
+        """Remove every container of this run on this machine's engine; how many there were."""
+        client = self.client()
+        left = client.containers.list(all=True, filters={"label": f"{OWNER}={self._owner}"})
+        for container in left:
             with contextlib.suppress(Exception):
                 container.remove(force=True)
-        self._client.close()
-        self._client = None
+        return len(left)
+
+    def disconnect(self) -> None:
+        """Close the engine connection (a Ray task's copy, when its episode is over)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 # The kinds a config's `environment:` may name, told apart by `type`.
@@ -190,15 +235,18 @@ Environment = Annotated[HostEnvironment | BubblewrapEnvironment | ContainerEnvir
 
 @dataclass
 class Box:
-    """One episode's running container: run commands in it, put files in it, verify it."""
+    """One episode's running container: run commands in it, put files in it, verify it. The
+    engine's own failures (a container gone, a connection lost) raise ContainerError: they are
+    the infrastructure's, never the agent's."""
 
     container: Container
     workdir: str  # the image's working directory: where the harness runs
     logs: Path  # the episode's work directory on the host: /logs/agent and /logs/verifier are copied there
+    proxy_url: str | None = None  # the proxy as the harness inside reaches it
 
     async def run(self, argv: list[str], env: dict[str, str], out: BinaryIO, err: BinaryIO, timeout: float) -> int:
-        """Run `argv` in the container; its exit code. At the timeout the container is killed
-        (the episode is over) and TimeoutError raised."""
+        """Run `argv` in the container; its exit code. At the timeout every process in the
+        container is killed (the container stays, for the tests) and TimeoutError raised."""
         api = self.container.client.api
 
         def execute() -> int:
@@ -208,12 +256,19 @@ class Box:
                 err.write(stderr or b"")
             return int(api.exec_inspect(created["Id"])["ExitCode"] or 0)
 
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(execute), timeout)
-        except TimeoutError:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.container.kill)
-            raise
+        running = asyncio.ensure_future(_engine(execute))
+        done, _ = await asyncio.wait({running}, timeout=timeout)
+        if not done:
+            await self.stop_agent()
+            with contextlib.suppress(Exception):  # its stream ends with its processes
+                await asyncio.wait_for(asyncio.shield(running), 30)
+            raise TimeoutError
+        return running.result()
+
+    async def stop_agent(self) -> None:
+        """Kill every process in the container but its PID 1: what the harness left running (a
+        background job that would rewrite the reward after the tests) ends before they run."""
+        await self.shell("kill -9 -1 2>/dev/null; true", 60)
 
     async def put(self, files: dict[str, bytes], at: str | None = None) -> None:
         """Write files (relative path -> content) under `at` (default: the working directory)."""
@@ -225,7 +280,7 @@ class Box:
                 archive.addfile(entry, io.BytesIO(content))
         target = at or self.workdir
         await self.shell(f"mkdir -p {shlex.quote(target)}", 60)
-        if not await asyncio.to_thread(self.container.put_archive, target, buffer.getvalue()):
+        if not await _engine(self.container.put_archive, target, buffer.getvalue()):
             raise ContainerError(f"cannot copy files into {target}")
 
     async def put_folder(self, folder: Path, at: str) -> None:
@@ -249,12 +304,16 @@ class Box:
             return await self.run(["sh", "-c", script], env or {}, out, out, timeout)
 
     async def verify(self, task: Task) -> dict[str, float]:
-        """Run the task's tests (Harbor: tests/test.sh, copied to /tests) after the agent; the
-        named rewards they wrote to /logs/verifier/reward.json, or {"reward": value} from
-        reward.txt; RewardError when they wrote neither, or did not finish."""
+        """Run the task's tests (Harbor: tests/test.sh, copied to /tests) after the agent, on a
+        clean slate: the agent's processes killed, /tests and /logs/verifier emptied (whatever the
+        agent put there); the named rewards the tests wrote to /logs/verifier/reward.json, or
+        {"reward": value} from reward.txt; RewardError when they wrote neither, or did not finish."""
         spec = task.harbor
         if spec is None:
             return {}
+        await self.stop_agent()
+        shutil.rmtree(self.logs / "verifier", ignore_errors=True)
+        await self.shell(f"rm -rf /tests {LOGS}/verifier; mkdir -p /tests {LOGS}/verifier", 60)
         await self.put_folder(spec.dir / "tests", "/tests")
         try:
             await self.shell(
@@ -262,8 +321,19 @@ class Box:
             )
         except TimeoutError:
             raise RewardError(f"the tests did not finish in {spec.verifier_timeout:g} s") from None
-        await asyncio.to_thread(self.fetch, "verifier")
+        await _engine(self.fetch, "verifier")
         return read_reward(self.logs / "verifier")
+
+
+async def _engine(work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` in a thread, the engine's failures raised as ContainerError."""
+    import docker
+    import requests
+
+    try:
+        return await asyncio.to_thread(work, *args)
+    except (docker.errors.DockerException, requests.RequestException, OSError) as exc:
+        raise ContainerError(f"the container engine failed: {type(exc).__name__}: {exc}") from exc
 
 
 def read_reward(folder: Path) -> dict[str, float]:
@@ -350,9 +420,9 @@ def build_image(client: DockerClient, context: Path, tag: str, timeout: float) -
         client.images.build(path=str(context), tag=tag, rm=True, forcerm=True, pull=False, timeout=timeout)
     except docker.errors.BuildError as exc:
         lines = [str(step.get("stream") or step.get("error") or "").strip() for step in exc.build_log]
-        raise ContainerError(f"building {context} failed: {exc.msg}\n" + "\n".join(lines[-15:])) from exc
+        raise BuildError(f"building {context} failed: {exc.msg}\n" + "\n".join(lines[-15:])) from exc
     except docker.errors.APIError as exc:
-        raise ContainerError(f"building {context} failed: {exc}") from exc
+        raise BuildError(f"building {context} failed: {exc}") from exc
     say(f"built image {tag} in {time.monotonic() - start:.1f} s")
 
 

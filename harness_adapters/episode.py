@@ -231,10 +231,8 @@ class CommandAdapter:
                 code: int | None = await box.run(argv, env, out_file, err_file, timeout)
                 status: HarnessStatus = "ok" if code == 0 else "failed"
                 error = None if code == 0 else f"exited with code {code}; end of log: {_tail(err_file, 500)}"
-            except TimeoutError:
+            except TimeoutError:  # the engine's own errors (ContainerError) end the attempt, not the agent
                 status, error, code = "timeout", f"killed after {timeout:g} s", None
-            except Exception as exc:  # the engine's own errors (a container that died): the episode failed
-                status, error, code = "failed", f"the container failed: {type(exc).__name__}: {exc}", None
             output = _tail(out_file, OUTPUT_CHARS)
         return Outcome(status, output, error, code, str(log), time.monotonic() - start)
 

@@ -11,8 +11,10 @@ tasks, each a folder of its own:
     solution/solve.sh        the oracle (`rl-proxy tasks check` runs it)
 
 The task's id is its folder's name; its split is `[metadata] split` ("train" unless given; the
-held-out names of harness_adapters/tasks.py count as held out). A malformed task is refused by
-name with what is wrong, all of them at once.
+held-out names of harness_adapters/tasks.py count as held out). Hidden folders (`.git`) are no
+tasks. Harbor's defaults apply where a task names none (1 CPU, 2048 MB; the tests' timeout 600 s,
+the agent's the run's `timeout`), and a value must be a finite number within bounds (BOUNDS). A malformed
+task is refused by name with what is wrong, all of them at once.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class HarborTask:
         return self.config.get(section, {}).get(key, default)
 
     @property
-    def agent_timeout(self) -> float | None:
+    def agent_timeout(self) -> float | None:  # None: the run's `timeout`
         return self._get("agent", "timeout_sec")
 
     @property
@@ -51,12 +53,12 @@ class HarborTask:
         return dict(self._get("verifier", "env", {}))
 
     @property
-    def cpus(self) -> float | None:
-        return self._get("environment", "cpus")
+    def cpus(self) -> float:
+        return float(self._get("environment", "cpus", 1))
 
     @property
-    def memory_mb(self) -> int | None:
-        return self._get("environment", "memory_mb")
+    def memory_mb(self) -> int:
+        return int(self._get("environment", "memory_mb", 2048))
 
     @property
     def build_timeout(self) -> float:
@@ -76,20 +78,39 @@ def is_harbor(path: Path) -> bool:
 
 def load_harbor(path: Path) -> list[Task]:
     """Every task in `path` (a folder of task folders, or one task folder)."""
-    folders = [path] if (path / "task.toml").is_file() else sorted(p for p in path.iterdir() if p.is_dir())
-    tasks, errors = [], []
+    tasks, errors = read_harbor(path)
+    if errors:
+        lines = [f"{name}: {error}" for name, error in errors.items()]
+        raise TaskError(f"{path}: {len(errors)} malformed Harbor tasks:\n  " + "\n  ".join(lines))
+    return tasks
+
+
+def read_harbor(path: Path) -> tuple[list[Task], dict[str, str]]:
+    """The well-formed tasks in `path`, and what is wrong with each other one (by folder name)."""
+    if (path / "task.toml").is_file():
+        folders = [path]
+    else:
+        folders = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    tasks, errors = [], {}
     for folder in folders:
         try:
             tasks.append(harbor_task(folder))
         except TaskError as exc:
-            errors.append(f"{folder.name}: {exc}")
-    if errors:
-        raise TaskError(f"{path}: {len(errors)} malformed Harbor tasks:\n  " + "\n  ".join(errors))
-    return tasks
+            errors[folder.name] = str(exc)
+    return tasks, errors
 
 
 # task.toml's fields that rl-proxy reads: (section, key) -> the types they may have.
 NUMBERS = (int, float)
+# The bounds of the numbers: a timeout of 0 or NaN would end every episode at once, and a CPU
+# share too small for the engine to apply (under 0.01) would be no limit at all.
+BOUNDS = {
+    ("agent", "timeout_sec"): (1, 86_400),
+    ("verifier", "timeout_sec"): (1, 86_400),
+    ("environment", "build_timeout_sec"): (1, 86_400),
+    ("environment", "cpus"): (0.01, 1024),
+    ("environment", "memory_mb"): (16, 2**20),
+}
 TYPED = {
     ("agent", "timeout_sec"): NUMBERS,
     ("verifier", "timeout_sec"): NUMBERS,
@@ -110,7 +131,7 @@ def harbor_task(folder: Path) -> Task:
         problems.append("no task.toml")
     else:
         try:
-            config = tomllib.loads((folder / "task.toml").read_text())
+            config = tomllib.loads((folder / "task.toml").read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             problems.append(f"task.toml: {exc}")
     for (section, key), types in TYPED.items():
@@ -125,15 +146,20 @@ def harbor_task(folder: Path) -> Task:
             problems.append(
                 f"task.toml: {section}.{key} must be {' or '.join(t.__name__ for t in types)}, not {value!r}"
             )
-        elif isinstance(value, NUMBERS) and value <= 0:
-            problems.append(f"task.toml: {section}.{key} must be above 0, not {value!r}")
+        elif isinstance(value, NUMBERS) and (section, key) in BOUNDS:
+            low, high = BOUNDS[section, key]
+            if not low <= value <= high:  # NaN is within no bounds
+                problems.append(f"task.toml: {section}.{key} must be from {low:g} to {high:g}, not {value!r}")
     env = config.get("verifier", {}).get("env", {}) if isinstance(config.get("verifier"), dict) else {}
     if isinstance(env, dict) and not all(isinstance(v, str) for v in env.values()):
         problems.append("task.toml: verifier.env values must be strings")
-    instruction = folder / "instruction.md"
-    prompt = instruction.read_text().strip() if instruction.is_file() else ""
-    if not prompt:
-        problems.append("no instruction.md" if not instruction.is_file() else "instruction.md is empty")
+    instruction, prompt = folder / "instruction.md", ""
+    try:
+        prompt = instruction.read_text(encoding="utf-8").strip() if instruction.is_file() else ""
+        if not prompt:
+            problems.append("no instruction.md" if not instruction.is_file() else "instruction.md is empty")
+    except UnicodeDecodeError as exc:
+        problems.append(f"instruction.md is not UTF-8 text ({exc.reason} at byte {exc.start})")
     if not (folder / "tests" / "test.sh").is_file():
         problems.append("no tests/test.sh")
     docker_image = (

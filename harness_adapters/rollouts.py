@@ -10,6 +10,7 @@ hold their slot, so no new one starts); `groups` makes some now (sync training).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import uuid
@@ -21,6 +22,8 @@ from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
 from proxy.admin_client import AdminClient
 from recorder.episodes import RewardRule
+
+log = logging.getLogger("rl_proxy.rollouts")
 
 
 @dataclass
@@ -111,6 +114,18 @@ class Rollouts:
         """`n` groups, made now."""
         return list(await asyncio.gather(*(self.group(admin, self.next_task()) for _ in range(n))))
 
+    @staticmethod
+    def _finished(running: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+        """A group's job is done: an error that ended it is logged, not left unretrieved (an
+        episode's own faults end that episode, so this is a bug of ours)."""
+
+        def done(job: asyncio.Task[None]) -> None:
+            running.discard(job)
+            if not job.cancelled() and job.exception() is not None:
+                log.error("a group's rollouts failed", exc_info=job.exception())
+
+        return done
+
     async def fill(self, admin: AdminClient, queue: asyncio.Queue[str], concurrency: int) -> None:
         """Keep groups coming into `queue` until cancelled (with the rollouts it started; their
         sessions stay unended); a finished group waits for room."""
@@ -128,7 +143,7 @@ class Rollouts:
                 await in_flight.acquire()
                 job = asyncio.create_task(one(self.next_task()))
                 running.add(job)
-                job.add_done_callback(running.discard)
+                job.add_done_callback(self._finished(running))
         finally:
             for job in list(running):
                 job.cancel()

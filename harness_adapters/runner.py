@@ -9,19 +9,30 @@ the harness ignored the proxy's address) -> score it (a Harbor task's tests, eac
 they wrote posted as "tests.<name>"; then each reward source posted under its name) -> remove
 the environment -> end the session with its status and its typed outcome (recorder/episodes.py), through
 the typed admin client (proxy/admin_client.py).
+
+A Harbor task's tests score its container however the harness ended (its exit code, an error,
+its timeout), as Harbor does: a harness that fixed the bug and then exited 1 solved the task.
+The harness's own status stays in the outcome beside the reward. Without tests, only a harness
+that ended well is scored; one that failed trains with the run's failure reward.
+
+A fault of the infrastructure (the container engine, a lost Ray node, an error of our own) is
+never the agent's: the attempt's session is ended as "ended" with the error ("infra: ...",
+"lost: ..."), which never trains, and the episode runs again under a new session in the same
+group (metadata `replaces`), up to `attempts` times.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from harness_adapters.environments import Box, ContainerError, Environment, HostEnvironment
+from harness_adapters.environments import Box, BuildError, ContainerError, Environment, HostEnvironment
 from harness_adapters.episode import Adapter, Endpoint, Outcome
 from harness_adapters.rewards import RewardError, RewardSource, weighted
 from harness_adapters.tasks import Task
@@ -32,6 +43,11 @@ if TYPE_CHECKING:
 from recorder import SessionInfo
 from recorder.episodes import EpisodeOutcome, EpisodeStatus, RewardPart, Sampling
 
+log = logging.getLogger("rl_proxy.runner")
+INFRA = "infra: "  # how the error of an attempt ended by an infrastructure fault starts
+LOST = "lost: "  # the same, for an attempt whose Ray node or worker was lost
+BUILD_FAILED = INFRA + "the task's image did not build: "  # not run again: it would fail alike
+
 
 @dataclass
 class EpisodeResult:
@@ -40,14 +56,21 @@ class EpisodeResult:
     session: SessionInfo  # as ended: its status, outcome, reward and calls
     outcome: Outcome  # what the harness did
     node: str | None = None  # the Ray node it ran on (None: this process)
+    retried: list[dict[str, str | None]] = field(default_factory=list)  # earlier attempts: session and error
 
     @property
     def session_id(self) -> str:
         return self.session.id
 
     @property
-    def status(self) -> EpisodeStatus:
+    def status(self) -> EpisodeStatus | Literal["ended"]:
+        """The episode's status; "ended" for an attempt that an infrastructure fault ended."""
         return self.session.status  # type: ignore[return-value]  # an episode's session ends with one
+
+    @property
+    def infra(self) -> bool:
+        """Ended by an infrastructure fault (never trained)."""
+        return self.session.status == "ended"
 
     @property
     def calls(self) -> int:
@@ -76,6 +99,7 @@ class EpisodeResult:
             "error": self.error,
             "node": self.node,
             "outcome": self.outcome.as_json(),
+            "retried": self.retried,
         }
 
 
@@ -93,6 +117,7 @@ class EpisodeRunner:
     sampling: Sampling | None = None  # set by the proxy on every call, whatever the harness asks
     environment: Environment = field(default_factory=HostEnvironment)
     engine: RayEngine | None = None  # None: every episode runs in this process
+    attempts: int = 3  # runs of an episode that infrastructure faults ended, the first included
 
     def admin(self) -> AdminClient:
         """A client of the proxy's admin API (use it in `async with`)."""
@@ -117,11 +142,34 @@ class EpisodeRunner:
 
     async def episode(self, admin: AdminClient, task: Task, n: int, group: str | None = None) -> EpisodeResult:
         """One episode, in the GRPO group `group` (default: run/task), here or on the engine's
-        cluster (harness_adapters/engines.py)."""
+        cluster (harness_adapters/engines.py), run again while infrastructure faults end it."""
         group = group or f"{self.run}/{task.id}"
-        if self.engine is not None:
-            return await self.engine.episode(self, admin, task, n, group)
-        return await self.play(admin, await self.open(admin, task, n, group), task, n)
+        replaces, retried = None, list[dict[str, str | None]]()
+        for attempt in range(1, self.attempts + 1):
+            session = await self.open(admin, task, n, group, replaces)
+            try:
+                if self.engine is not None:
+                    result = await self.engine.play(self, admin, session, task, n)
+                else:
+                    result = await self.play(admin, session, task, n)
+            except Exception as exc:  # our own bug, or a fault nothing above caught: not the agent's
+                log.exception("episode %s of task %s: attempt %d failed", n, task.id, attempt)
+                error = f"{INFRA}{type(exc).__name__}: {exc}"
+                result = await self.end_infra(admin, session, task, n, Outcome("failed", error=error), error)
+            if not result.infra or attempt == self.attempts or (result.error or "").startswith(BUILD_FAILED):
+                result.retried = retried
+                return result
+            retried.append({"session_id": session.id, "error": result.error})
+            replaces = session.id
+        raise AssertionError("unreachable")
+
+    async def end_infra(
+        self, admin: AdminClient, session: SessionInfo, task: Task, n: int, outcome: Outcome, error: str
+    ) -> EpisodeResult:
+        """End an attempt that an infrastructure fault ended: "ended", never trained."""
+        record = EpisodeOutcome(harness=outcome.status, error=f"{error} (attempt of episode {n})", log=outcome.log)
+        ended = await admin.end_session(session.id, "ended", record)
+        return EpisodeResult(task, n, ended, outcome)
 
     async def open(
         self, admin: AdminClient, task: Task, n: int, group: str, replaces: str | None = None
@@ -136,31 +184,34 @@ class EpisodeRunner:
         """Run the episode of an open session: its environment, harness and rewards; end it."""
         workdir = self.workdir / session.id
         workdir.mkdir(parents=True, exist_ok=True)
-        endpoint = Endpoint(self.proxy_url, session.key, self.model, session.id)
         timeout = task.harbor.agent_timeout if task.harbor and task.harbor.agent_timeout else self.timeout
         error, reward, parts = None, None, tuple[RewardPart, ...]()
+        outcome = Outcome("failed", error="the environment did not start")
         try:
-            async with self.environment.episode(task, workdir) as box:
+            async with self.environment.episode(task, workdir, self.proxy_url, session.key) as box:
+                url = box.proxy_url if box is not None and box.proxy_url else self.proxy_url
+                endpoint = Endpoint(url, session.key, self.model, session.id)
                 outcome = await self.adapter.run(task, endpoint, workdir, timeout, box)
                 info = await admin.session(session.id)
                 status: EpisodeStatus = outcome.status
                 error = outcome.error
+                tested = box is not None and task.harbor is not None
                 if info.calls == 0:
                     status = "no_calls"
                     error = (
                         "the harness made no call through the proxy (a wrong base URL, or a variable it ignores?)"
                         + (f"; it {outcome.status}: {outcome.error}" if outcome.error else "")
                     )
-                elif status == "ok":
+                elif status == "ok" or tested:  # tests score a container however its harness ended
                     try:
                         parts = await self.score(admin, session.id, task, outcome, endpoint, workdir, info.reward, box)
-                        reward = sum(part.value for part in parts)
+                        reward, status = sum(part.value for part in parts), "ok"
                     except RewardError as exc:
-                        status, error = "failed", str(exc)
-        except ContainerError as exc:  # an image that does not build, a container that does not start:
-            # the harness never ran, so the episode is not scored (a "failed" one would train with
-            # the run's failure reward, the policy blamed for the environment)
-            outcome, status, error = Outcome("failed", error=str(exc)), "no_calls", str(exc)
+                        status, error = ("failed" if outcome.status == "ok" else outcome.status), str(exc)
+        except BuildError as exc:  # the task's image does not build: every attempt would fail alike
+            return await self.end_infra(admin, session, task, n, outcome, f"{BUILD_FAILED}{exc}")
+        except ContainerError as exc:  # the engine failed: not the agent's doing, so never trained
+            return await self.end_infra(admin, session, task, n, outcome, f"{INFRA}{exc}")
         record = EpisodeOutcome(
             harness=outcome.status,
             error=error,
@@ -210,6 +261,7 @@ class TaskSummary:
     failed: int
     timeout: int
     no_calls: int
+    infra: int  # ended by infrastructure faults, every attempt: never trained
 
 
 def summary(results: list[EpisodeResult], success_at: float) -> list[TaskSummary]:
@@ -226,6 +278,7 @@ def summary(results: list[EpisodeResult], success_at: float) -> list[TaskSummary
                 sum(r.success(success_at) for r in mine),
                 statistics.fmean(rewards) if rewards else None,
                 **counts,
+                infra=sum(r.infra for r in mine),
             )
         )
     return rows

@@ -246,11 +246,13 @@ class GroupReader:
 
     async def leftovers(self) -> list[str]:
         """Groups finished before a restart and not yet trained on (resume): every episode of
-        the group ended by the runner (a session that joined the group by its key is no episode)."""
+        the group ended by the runner (a session that joined the group by its key is no episode,
+        and an attempt that an infrastructure fault ended, "ended", is none either: the episode
+        it was is its replacement's, which may not have ended)."""
         sessions = await self.store.list_sessions(run=self.config.run)
         groups: dict[str, list[SessionInfo]] = defaultdict(list)
         for s in sessions:
-            if s.group_id and s.outcome is not None:
+            if s.group_id and s.outcome is not None and s.status != "ended":
                 groups[s.group_id].append(s)
         consumed = set(self.state.consumed)
         n = self.config.episodes_per_task

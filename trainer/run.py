@@ -187,7 +187,11 @@ def _lead(
     """Rank 0's part: the proxy and vLLM, the rollouts, the loop, the swaps and every file."""
     out, evaluation = config.out_dir, config.eval
     adapter, rewards, environment = config.adapter(), config.reward_sources(), config.resolved_environment()
-    with proxy_for(config) as (url, model, db, upstream), closing(environment), engine_for(config.rollouts) as engine:
+    with (
+        proxy_for(config) as (url, model, db, upstream),
+        closing(environment),
+        engine_for(config.rollouts, environment) as engine,
+    ):
         if db is None or upstream is None:
             raise TrainError("training needs the proxy's store and its vLLM upstream")
         replicas = Upstreams.urls(upstream)  # every one is swapped
@@ -218,6 +222,7 @@ def _lead(
                     return EpisodeRunner(
                         url, adapter, rewards, model, workdir, run, config.timeout, config.concurrency, token,
                         environment=environment, engine=engine,
+                        attempts=config.rollouts.attempts,
                     )  # fmt: skip
 
                 runner = runner_for(config.run, out / "episodes")

@@ -18,13 +18,15 @@ from typing import Any
 import orjson
 import pytest
 
-from benchmarks.support.stack import Upstream
+from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.environments import OWNER
+from harness_adapters.runner import BUILD_FAILED
 from recorder.episodes import RewardRule
 
 HARBOR = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "harbor"
+HOSTILE = Path(__file__).with_name("hostile_agent.py")
 CLI = [sys.executable, "-m", "trainer.cli"]
 
 
@@ -50,6 +52,9 @@ def test_tasks_check_tells_a_solution_from_nothing(container_engine: Any, tmp_pa
     _task_like(tasks, "hello-file", "broken")
     with open(tasks / "broken" / "environment" / "Dockerfile", "a") as dockerfile:
         dockerfile.write("RUN exit 3\n")
+    _task_like(tasks, "hello-file", "malformed")  # a row of its own, not a refusal of the whole dataset
+    (tasks / "malformed" / "task.toml").write_text("[verifier]\ntimeout_sec = nan\n")
+    (tasks / ".git").mkdir()  # no task
     check = [*CLI, "tasks", "check", str(tasks), "--json", "--logs", str(tmp_path / "logs")]
     done = subprocess.run(check, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr  # one task is not ok
@@ -60,7 +65,11 @@ def test_tasks_check_tells_a_solution_from_nothing(container_engine: Any, tmp_pa
         "count-lines": (1.0, 0.0, True),
         "fix-add": (2.0, 0.0, True),  # two named rewards, each 1
         "hello-file": (1.0, 0.0, True),
+        "malformed": (None, None, False),
     }
+    assert (
+        results["malformed"]["error"] == "malformed: task.toml: verifier.timeout_sec must be from 1 to 86400, not nan"
+    )
     assert "the tests cannot tell a solution from nothing" in results["always-one"]["error"]
     assert "broken/environment failed" in results["broken"]["error"] and "exit 3" in results["broken"]["error"]
     assert (tmp_path / "logs" / "fix-add" / "oracle" / "verifier" / "reward.json").is_file()  # the logs are kept
@@ -78,7 +87,10 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     /logs/agent: the hello task always scores 1, the others 0, so the tests saw what the harness
     did inside the container (in the image's WORKDIR, /app)."""
     tasks = shutil.copytree(HARBOR / "tasks", tmp_path / "tasks")
-    _task_like(tasks, "hello-file", "slow", timeout=20)  # [agent] timeout_sec = 20: its one call first
+    _task_like(tasks, "hello-file", "slow", timeout=45)  # [agent] timeout_sec = 45: its one call first
+    _task_like(tasks, "hello-file", "exits-1")
+    with open(tasks / "exits-1" / "environment" / "Dockerfile", "a") as dockerfile:
+        dockerfile.write("RUN touch fails\n")
     _task_like(tasks, "hello-file", "broken")
     with open(tasks / "broken" / "environment" / "Dockerfile", "a") as dockerfile:
         dockerfile.write("RUN exit 3\n")
@@ -86,7 +98,7 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
         'echo $PWD > /logs/agent/trace.txt; python3 /opt/rl-proxy/agent.py --steps 1 "$0"; echo hello > hello.txt; '
         "echo limits $(cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max)"
         " $(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || cut -d' ' -f1 /sys/fs/cgroup/cpu.max); "
-        "if [ -e slow ]; then sleep 600; fi"
+        "if [ -e slow ]; then sleep 600; fi; if [ -e fails ]; then exit 1; fi"
     )
     config = load_config(HARBOR / "collect.yaml", CollectConfig)
     harness = config.harness.model_copy(update={"argv": ["sh", "-c", script, "{prompt}"]})
@@ -102,29 +114,36 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     config.proxy.upstream = vllm.url
     results, _, _ = collect(config, progress=False)
     by_task = {r.task.id: r for r in results}
-    assert by_task["slow"].status == "timeout" and by_task["slow"].error == "killed after 20 s"
-    # An image that does not build: the harness never ran, and the episode is not trained (a
-    # "failed" one would be, with the run's failure reward).
+    # Solved, then timed out or exited 1 (issue 45): the tests score the container whatever ended
+    # the harness, and its own status stays beside the reward.
+    harness = {name: r.session.outcome.harness for name, r in by_task.items() if r.session.outcome}
+    assert (harness["slow"], by_task["slow"].error) == ("timeout", "killed after 45 s")
+    assert harness["exits-1"] == "failed" and harness["hello-file"] == "ok"
+    # An image that does not build: the harness never ran; an infrastructure fault, named, not
+    # run again (it would fail alike) and not trained (a "failed" one would be, with the run's
+    # failure reward).
     broken = by_task.pop("broken")
-    assert broken.status == "no_calls" and "exit 3" in (broken.error or ""), broken.error
+    assert broken.status == "ended" and broken.error and broken.error.startswith(BUILD_FAILED), broken.error
+    assert "exit 3" in broken.error and broken.retried == []
     assert broken.session.training_reward(RewardRule()).why == "unscored"
     scored = {
         name: (r.status, r.reward, [(p.source, p.value) for p in r.session.outcome.parts])  # type: ignore[union-attr]
         for name, r in by_task.items()
-        if name != "slow"
     }
     assert scored == {
         "count-lines": ("ok", 0.0, [("tests", 0.0)]),
         "fix-add": ("ok", 0.0, [("tests.positive", 0.0), ("tests.negative", 0.0)]),
         "hello-file": ("ok", 1.0, [("tests", 1.0)]),
+        "slow": ("ok", 1.0, [("tests", 1.0)]),
+        "exits-1": ("ok", 1.0, [("tests", 1.0)]),
     }, {name: r.error for name, r in by_task.items()}
     for result in by_task.values():
         assert result.calls >= 1  # the harness in the container reached the proxy
         workdir = tmp_path / "out" / "episodes" / result.session_id
         # What it left in /logs/agent was copied out, from a container killed at its timeout too.
         assert (workdir / "agent" / "trace.txt").read_text() == "/app\n"
-        if result.status == "ok":
-            assert (workdir / "verifier" / "test-stdout.txt").is_file()  # the tests' logs, collected
+        assert (workdir / "verifier" / "test-stdout.txt").is_file()  # the tests' logs, collected
+        if result.task.id != "slow":
             # The task's memory_mb (512) and cpus (1: 100,000 us of every 100,000) were the container's limits.
             assert f"limits {512 * 2**20} 100000" in (workdir / "harness.stdout").read_text()
     assert _left(container_engine) == []
@@ -157,4 +176,34 @@ def test_sigterm_of_collect_removes_every_container_it_started(
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     assert job.returncode == 130, output[-2000:]
+    assert _left(container_engine) == []
+
+
+@pytest.mark.vllm
+def test_a_hostile_agent_reaches_its_model_and_nothing_else_and_cannot_write_its_reward(
+    vllm: Upstream, container_engine: Any, tmp_path: Path
+) -> None:
+    """Issue 45: from inside its container, an agent that has not solved count-lines plants
+    reward.json and reward.txt, its own tests/test.sh and a job that rewrites the reward, and
+    tries the proxy's admin API (list, reward), another session, and vLLM. Its model calls go
+    through (under its own session); nothing else does; the task's tests score it 0."""
+    config = CollectConfig.model_validate(
+        {"run": "hostile", "tasks": str(HARBOR / "tasks" / "count-lines"), "split": "all", "episodes_per_task": 1,
+         "out": str(tmp_path / "out"),
+         "harness": {"type": "command", "argv": ["python3", "/opt/hostile.py"], "env": {"VLLM_URL": vllm.url}},
+         "environment": {"type": "container", "mounts": {str(HOSTILE): "/opt/hostile.py"}},
+         "proxy": {"upstream": vllm.url}}
+    )  # fmt: skip
+    results, _, db = collect(config, progress=False)
+    [result] = results
+    probe = json.loads((tmp_path / "out" / "episodes" / result.session_id / "agent" / "probe.json").read_text())
+    assert probe["model"] == 200 and probe["other_key"] == 200, probe
+    for name in ("other_path", "admin_list", "admin_reward", "admin_traversal"):
+        assert probe[name] == 404, (name, probe)
+    assert str(probe["vllm"]).startswith("unreachable"), probe
+    assert result.status == "ok" and result.reward == 0.0, (result.status, result.error)
+    assert [(p.source, p.value) for p in result.session.outcome.parts] == [("tests", 0.0)]  # type: ignore[union-attr]
+    assert db is not None
+    sessions = read_store(db, lambda s: s.list_sessions())
+    assert [(s.id, s.calls) for s in sessions] == [(result.session_id, 2)]  # both calls its own, no other session
     assert _left(container_engine) == []

@@ -53,7 +53,7 @@ def test_malformed_tasks_are_refused_together_each_by_name_with_what_is_wrong(tm
     count = next(line for line in message.splitlines() if "count-lines:" in line)
     for problem in (
         "environment.cpus must be int or float, not 'two'",
-        "environment.memory_mb must be above 0, not -5",
+        "environment.memory_mb must be from 16 to 1.04858e+06, not -5",
         "instruction.md is empty",
         "no environment/Dockerfile (and no [environment] docker_image)",
     ):
@@ -72,3 +72,32 @@ def test_harbor_tasks_need_a_container_and_a_container_needs_a_command_harness(t
     )
     with pytest.raises(ConfigError, match="a container runs a command harness inside it, not a python one"):
         python.adapter()
+    posted = CollectConfig.model_validate({**config.model_dump(), "rewards": [{"type": "harness"}]})
+    with pytest.raises(ConfigError, match="a container's agent cannot reach the admin API"):
+        posted.reward_sources()  # what the agent says of itself is no reward there
+
+
+def test_hidden_folders_are_no_tasks_and_bad_values_are_bounded_and_named(tmp_path: Path) -> None:
+    """Found by review (issue 45): a `.git` folder beside the tasks got the whole dataset refused, a
+    latin-1 instruction.md crashed, `timeout_sec = nan` was taken (every episode timed out at
+    once) and `cpus = 1e-10` became no limit; a task naming no limits got none (Harbor's are 1
+    CPU and 2048 MB)."""
+    tasks = shutil.copytree(HARBOR / "tasks", tmp_path / "tasks")
+    (tasks / ".git" / "objects").mkdir(parents=True)
+    loaded = {t.id: t for t in load_tasks(tasks, None)}
+    assert sorted(loaded) == ["count-lines", "fix-add", "hello-file"]
+    toml = tasks / "hello-file" / "task.toml"
+    toml.write_text("[metadata]\nsplit = 'train'\n")  # no limits, no timeouts
+    hello = next(t for t in load_tasks(tasks, None) if t.id == "hello-file").harbor
+    assert hello is not None and (hello.cpus, hello.memory_mb, hello.verifier_timeout) == (1.0, 2048, 600.0)
+    (tasks / "fix-add" / "instruction.md").write_bytes(
+        "Corrige la fonction d\u2019addition : \xe9t\xe9".encode("latin-1", "replace")
+    )
+    (tasks / "count-lines" / "task.toml").write_text("[agent]\ntimeout_sec = nan\n[environment]\ncpus = 1e-10\n")
+    with pytest.raises(TaskError) as caught:
+        load_tasks(tasks, None)
+    message = str(caught.value)
+    assert "2 malformed Harbor tasks" in message, message
+    assert "fix-add: instruction.md is not UTF-8 text" in message
+    assert "agent.timeout_sec must be from 1 to 86400, not nan" in message
+    assert "environment.cpus must be from 0.01 to 1024, not 1e-10" in message

@@ -147,6 +147,10 @@ def test_leftovers_and_failing_groups(tmp_path: Path) -> None:
                     await _episode(store, group, n, "1", float(n % 2))
             for n in range(3):  # one episode short: still running when the run stopped
                 await _episode(store, "partial", n, "1", 1.0)
+            # An attempt that Ray lost (ended "ended") is no episode: its replacement never ended.
+            for n in range(3):
+                await _episode(store, "replaced", n, "1", 1.0)
+            await _episode(store, "replaced", 3, "1", None, status="ended")
             state = LoopState(step=2, version=1, consumed=["trained"])
             loop = _loop(tmp_path, store, state)
             leftovers = await loop.leftovers()
