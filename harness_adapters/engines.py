@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from recorder import SessionInfo
 
 
+log = logging.getLogger("rl_proxy.engines")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -62,6 +66,9 @@ class RayRollouts(LocalRollouts):
     num_cpus: float = Field(1.0, ge=0, description="CPUs an episode asks of its node")
     memory_mb: int | None = Field(None, gt=0, description="memory an episode asks of its node (Ray's logical memory)")
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {container: 1}")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="variables an episode's task runs with on its node, e.g. {DOCKER_HOST: ...}"
+    )
 
 
 # The engines a config's `rollouts:` may name, told apart by `engine`.
@@ -74,7 +81,7 @@ def engine_for(
 ) -> Iterator[RayEngine | None]:
     """The engine for a run (None: the local one), connected for the run's length; at its end,
     every live node removes the run's containers left there (`environment`'s)."""
-    if isinstance(config, LocalRollouts):
+    if not isinstance(config, RayRollouts):
         yield None
         return
     import ray
@@ -93,20 +100,24 @@ def engine_for(
         yield RayEngine(config, placement, ray.remote(max_retries=0)(_play))
     finally:
         if isinstance(environment, ContainerEnvironment):
-            reap_everywhere(environment)
+            try:
+                reap_everywhere(config, environment)
+            except Exception:  # the cluster went first: what its nodes hold is theirs to clean up
+                log.warning("could not remove the run's containers on every Ray node", exc_info=True)
         if started:
             ray.shutdown()
 
 
-def reap_everywhere(environment: Environment) -> None:
+def reap_everywhere(settings: RayRollouts, environment: ContainerEnvironment) -> None:
     """Remove the run's containers left on every live node of the cluster (a lost attempt's)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
     reap = ray.remote(num_cpus=0, max_retries=0)(_reap)
+    env = {"runtime_env": {"env_vars": settings.env_vars}} if settings.env_vars else {}
     refs = [
-        reap.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(environment)
+        reap.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), **env).remote(environment)
         for node in nodes
     ]
     ray.wait(refs, num_returns=len(refs), timeout=60)
@@ -182,6 +193,8 @@ class RayEngine:
         }
         if self.settings.memory_mb:
             options["memory"] = self.settings.memory_mb * 2**20
+        if self.settings.env_vars:
+            options["runtime_env"] = {"env_vars": self.settings.env_vars}
         portable = replace(runner, engine=None)  # what the task needs of it; the engine stays here
         ref = self.play_remote.options(**options).remote(portable, session, task, n, self.placement)
         self.submitted += 1

@@ -146,6 +146,33 @@ def _tail(file: BinaryIO, size: int) -> str:
     return file.read().decode(errors="replace").strip()
 
 
+# A command harness runs under this supervisor, the leader of its process group: when the runner's
+# process dies, however it dies (a Ray worker killed at a cancel's deadline, an OOM kill,
+# SIGKILL), the kernel sends the supervisor SIGUSR2 (PR_SET_PDEATHSIG) and it kills the whole
+# group, the harness's own children included, which would otherwise run on with no one to end
+# them. SIGTERM (the runner's, at the harness's timeout) is the harness's to handle: the
+# supervisor waits for it to exit. Its exit code is the harness's (128 + N for a signal N).
+SUPERVISOR = r"""
+import ctypes, os, signal, subprocess, sys
+signal.signal(signal.SIGUSR2, lambda *_: os.killpg(0, signal.SIGKILL))
+signal.signal(signal.SIGTERM, lambda *_: None)
+ctypes.CDLL(None).prctl(1, signal.SIGUSR2)
+if os.getppid() != int(sys.argv[1]):
+    os.killpg(0, signal.SIGKILL)
+try:
+    harness = subprocess.Popen(sys.argv[2:])
+except OSError as exc:
+    sys.exit(f"cannot start {sys.argv[2]!r}: {exc}")
+code = harness.wait()
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def supervised(argv: list[str]) -> list[str]:
+    """`argv` under SUPERVISOR, for a new process group of its own (see there)."""
+    return [sys.executable, "-c", SUPERVISOR, str(os.getpid()), *argv]
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
@@ -158,7 +185,7 @@ class CommandAdapter:
     fields; write `{{`/`}}` for a literal brace). The proxy's address and the session key are also
     in every variable of `Endpoint.env`. The process gets its own process group: at the timeout
     the group gets SIGTERM, then SIGKILL after `grace` seconds, and whatever the harness left
-    running is killed when it exits.
+    running is killed when it exits, or when the runner's process dies (SUPERVISOR).
 
     In a container (`box`), the command runs there instead, in the image's working directory
     (which `{workdir}` names), with only the endpoint's variables and `env`; `files` are written
@@ -194,7 +221,7 @@ class CommandAdapter:
         with open(log, "w+b") as err_file, open(out, "w+b") as out_file:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv,
+                    *supervised(argv),
                     cwd=workdir,
                     env=env,
                     stdin=asyncio.subprocess.DEVNULL,

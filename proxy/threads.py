@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -48,28 +47,15 @@ from cachetools import LRUCache
 
 from proxy.upstream import Upstream
 from recorder.caches import ByteLRU
+from recorder.echo import echoes, norm
 from recorder.records import ThreadRecord
 
 log = logging.getLogger("rl_proxy.threads")
 
-THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 THREADS_PER_SESSION = 16  # a harness may branch: retries, subagents, n > 1
 RECENT_THREADS = 4  # never forgotten for an older one: a retry or fork continues a recent answer
 END_OF_TURN_TEMPLATES = 1024  # model and template pairs whose end-of-turn token is kept
 RENDER_TIMEOUT = 10.0  # seconds a rendering may take before the call goes as messages
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):  # content parts
-        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    return content.strip() if isinstance(content, str) else ""
-
-
-def _arguments(value: Any) -> Any:
-    try:
-        return orjson.loads(value) if isinstance(value, str) else value
-    except orjson.JSONDecodeError:
-        return value
 
 
 def _canonical(value: Any) -> Any:
@@ -92,24 +78,6 @@ def exact(message: dict[str, Any]) -> bytes:
         case [{"type": "text", "text": str(text), **rest}] if not rest:
             canonical["content"] = text
     return digest(("exact", orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)))
-
-
-def norm(message: dict[str, Any]) -> tuple[Any, ...]:
-    """What of the model's own answer a harness echoes back and `echoes` compares: role, text
-    (trimmed), tool calls (name and arguments, ids aside). Only that echo is compared so loosely;
-    every earlier message is compared `exact`."""
-    calls = tuple(
-        (str(fn.get("name")), orjson.dumps(_arguments(fn.get("arguments")), option=orjson.OPT_SORT_KEYS))
-        for fn in ((c.get("function") or {}) for c in message.get("tool_calls") or [] if isinstance(c, dict))
-    )
-    return message.get("role"), _text(message.get("content")), calls
-
-
-def echoes(echoed: tuple[Any, ...], sampled: tuple[Any, ...]) -> bool:
-    """Whether a message is a sampled answer as the harness sends it back: as it was, or with its
-    `<think>` blocks stripped."""
-    role, text, calls = sampled
-    return echoed in (sampled, (role, THINK.sub("", text).strip(), calls))
 
 
 @dataclass(frozen=True)

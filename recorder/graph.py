@@ -47,8 +47,9 @@ from typing import Any, Literal
 
 import orjson
 
+from recorder.echo import echoes, norm
 from recorder.records import CallRecord, SessionInfo
-from recorder.trajectories import SessionReport, build_sequences
+from recorder.trajectories import SessionReport, TrainingSequence, build_sequences
 
 Edge = Literal["continue", "fork", "retry", "subagent", "compaction", "new"]
 Purpose = Literal["train", "aux"]
@@ -352,7 +353,10 @@ def build(
     keep = {p.seq for p in placements if p.trained}
     trained = build_sequences([c for c in calls if c.seq in keep], session, merge, call_rewards)
     aside = build_sequences([c for c in calls if c.seq not in keep], session, merge, call_rewards)
-    numbered = [replace(q, chain=len(trained.sequences) + q.chain) for q in aside.sequences]  # one count a session
+    went_on = continued(trained.sequences, calls)  # the other choices of an n > 1 call are set aside
+    thrown = [q for q in trained.sequences if not any(q is k for k in went_on)]
+    trained = replace(trained, sequences=[replace(q, chain=i) for i, q in enumerate(went_on)])
+    numbered = [replace(q, chain=len(went_on) + i) for i, q in enumerate(thrown + aside.sequences)]  # one count
     aside = replace(aside, sequences=numbered)
     root: dict[int, int] = {}
     for report in (trained, aside):
@@ -361,6 +365,43 @@ def build(
                 root.setdefault(span.seq, q.spans[0].seq)  # an n > 1 call's other choices share its prefix
     placements = [replace(p, root=root.get(p.seq, p.root)) for p in placements]
     return SessionGraph(placements, trained, aside, session.policy_model if session else None)
+
+
+def continued(sequences: list[TrainingSequence], calls: list[CallRecord]) -> list[TrainingSequence]:
+    """The sequences of the choices the episode went on with. A call with several choices (n > 1)
+    forks its chain, and only the choice the episode went on with produced the outcome the
+    episode's reward is for: the one a later call continued token for token, or else the one a
+    later call echoes after the call's own messages (its chain broke there), or at the episode's
+    end the first. The other branches are dropped."""
+    chosen = {span.seq: span.choice for q in sequences for span in q.spans[:-1]}  # followed by a later call
+    by_seq = {c.seq: c for c in calls}
+    for q in sequences:
+        seq = q.spans[-1].seq
+        call = by_seq.get(seq)
+        if seq not in chosen and call is not None and len(call.completions) > 1:
+            echoed = went_on_with(call, [c for c in calls if c.seq > seq])
+            if echoed is not None:
+                chosen[seq] = echoed
+    return [q for q in sequences if all(span.choice == chosen.get(span.seq, 0) for span in q.spans)]
+
+
+def went_on_with(call: CallRecord, later: list[CallRecord]) -> int | None:
+    """Which of a Chat Completions call's choices the first later call that extends its messages
+    echoes back as the next message (compared as token-in compares an echo), if one does."""
+    asked = call.request.get("messages")
+    answers = [c for c in (call.response or {}).get("choices") or [] if isinstance(c, dict)]
+    if not isinstance(asked, list):
+        return None
+    for other in later:
+        messages = other.request.get("messages")
+        if isinstance(messages, list) and len(messages) > len(asked) and messages[: len(asked)] == asked:
+            echo = messages[len(asked)]
+            for answer in answers:
+                message = answer.get("message")
+                if isinstance(echo, dict) and isinstance(message, dict) and echoes(norm(echo), norm(message)):
+                    return int(answer.get("index", 0))
+            return None
+    return None
 
 
 def delivery(calls: list[CallRecord], graph: SessionGraph) -> tuple[int, int, int]:

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.threads import echoes, norm
 from recorder.episodes import EpisodeReward, RewardRule, Why, group_advantages
 from recorder.records import CallRecord, SessionInfo
 from recorder.store import Store
@@ -110,55 +109,18 @@ class LoopState:
         return cls(**json.loads(path.read_text()))
 
 
-def continued(sequences: list[TrainingSequence], calls: list[CallRecord]) -> list[TrainingSequence]:
-    """The sequences of the choices the episode went on with. A call with several choices (n > 1)
-    forks its chain, and only the choice the episode went on with produced the outcome the
-    episode's reward is for: the one a later call continued token for token, or else the one a
-    later call echoes after the call's own messages (its chain broke there), or at the episode's
-    end the first. The other branches are dropped."""
-    chosen = {span.seq: span.choice for q in sequences for span in q.spans[:-1]}  # followed by a later call
-    by_seq = {c.seq: c for c in calls}
-    for q in sequences:
-        seq = q.spans[-1].seq
-        call = by_seq.get(seq)
-        if seq not in chosen and call is not None and len(call.completions) > 1:
-            echoed = went_on_with(call, [c for c in calls if c.seq > seq])
-            if echoed is not None:
-                chosen[seq] = echoed
-    return [q for q in sequences if all(span.choice == chosen.get(span.seq, 0) for span in q.spans)]
-
-
 def trained_sequences(
     calls: list[CallRecord], session: SessionInfo, min_calls: int
 ) -> tuple[str | None, list[TrainingSequence], list[CallRecord]]:
-    """An episode's sequences as the trainer trains them (the session graph's, recorder/graph.py:
-    aux calls and a superseded retry left out; of a call's choices the one the episode went on
-    with), or what makes its capture FATAL; and the calls they are made of (only those decide
+    """An episode's sequences as the trainer trains them (the session graph's trained ones,
+    recorder/graph.py: aux calls, a superseded retry and the choices the episode did not go on
+    with left out), or what makes its capture FATAL; and the calls they are made of (only those decide
     whether the episode can be trained on as sampled: `sampling_refused`)."""
     checked = check(calls, session, min_calls)
     trained = [c for c in calls if c.seq in checked.graph.trained_calls]
     if checked.grade.level == "FATAL":
         return checked.grade.problems[0], [], trained
-    return None, continued([q for q in checked.sequences if q.sampled_tokens], calls), trained
-
-
-def went_on_with(call: CallRecord, later: list[CallRecord]) -> int | None:
-    """Which of a Chat Completions call's choices the first later call that extends its messages
-    echoes back as the next message (compared as token-in compares an echo), if one does."""
-    asked = call.request.get("messages")
-    answers = [c for c in (call.response or {}).get("choices") or [] if isinstance(c, dict)]
-    if not isinstance(asked, list):
-        return None
-    for other in later:
-        messages = other.request.get("messages")
-        if isinstance(messages, list) and len(messages) > len(asked) and messages[: len(asked)] == asked:
-            echo = messages[len(asked)]
-            for answer in answers:
-                message = answer.get("message")
-                if isinstance(echo, dict) and isinstance(message, dict) and echoes(norm(echo), norm(message)):
-                    return int(answer.get("index", 0))
-            return None
-    return None
+    return None, [q for q in checked.sequences if q.sampled_tokens], trained
 
 
 def version_number(version: str | None) -> int:

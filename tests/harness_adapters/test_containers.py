@@ -180,6 +180,37 @@ def test_sigterm_of_collect_removes_every_container_it_started(
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(500)
+def test_sigterm_of_train_removes_every_container_it_started(
+    vllm: Upstream, container_engine: Any, tmp_path: Path
+) -> None:
+    """Issue 45: `train` on the shipped Harbor config, its harness calling the model once and then
+    sleeping: SIGTERM with its episodes running in containers leaves none (as for collect)."""
+    import yaml
+
+    config = yaml.safe_load((HARBOR / "train.yaml").read_text())
+    config.update(
+        run="sigterm-train", tasks=str(HARBOR / "tasks"), out=str(tmp_path / "out"), eval=None,
+        harness={"type": "command",
+                 "argv": ["sh", "-c", 'python3 /opt/rl-proxy/agent.py --steps 1 "$0"; sleep 600', "{prompt}"]},
+        environment={"type": "container", "mounts": {str(HARBOR / "agent.py"): "/opt/rl-proxy/agent.py"}},
+    )  # fmt: skip
+    config["proxy"] = {"upstream": vllm.url}
+    (tmp_path / "train.yaml").write_text(orjson.dumps(config).decode())
+    job = subprocess.Popen(
+        [*CLI, "train", str(tmp_path / "train.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 300
+    while len(container_engine.containers.list(filters={"label": OWNER})) < 2:  # episodes are on
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.stdout else ""
+        time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 130, output[-2000:]
+    assert _left(container_engine) == []
+
+
+@pytest.mark.vllm
 def test_a_hostile_agent_reaches_its_model_and_nothing_else_and_cannot_write_its_reward(
     vllm: Upstream, container_engine: Any, tmp_path: Path
 ) -> None:

@@ -192,6 +192,34 @@ def test_a_hung_harness_is_killed_with_its_whole_process_group(tmp_path: Path) -
     assert gone(), status.read_text()
 
 
+def test_a_runner_killed_outright_leaves_no_harness_process(tmp_path: Path) -> None:
+    """Issue 45: a runner that dies with no chance to unwind (a Ray worker killed at a cancel's
+    deadline, SIGKILL) took no harness with it: the harness's children ran on. Under its
+    supervisor the whole group goes with the runner."""
+    import signal
+    import subprocess
+
+    script = "sleep 300 & echo $! > child.pid; sleep 300"
+    runner = (
+        "import asyncio, sys; from pathlib import Path; "
+        "from harness_adapters.episode import CommandAdapter, Endpoint; from harness_adapters.tasks import Task; "
+        f"asyncio.run(CommandAdapter(['sh', '-c', {script!r}]).run("
+        "Task('t', 'p'), Endpoint('http://127.0.0.1:9', 'k', 'm'), Path(sys.argv[1]), 600))"
+    )
+    process = subprocess.Popen([sys.executable, "-c", runner, str(tmp_path)], cwd=HERE.parents[1])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "child.pid").is_file() or not (tmp_path / "child.pid").read_text().strip():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    status = Path(f"/proc/{int((tmp_path / 'child.pid').read_text())}/status")
+    deadline = time.monotonic() + 10
+    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not status.exists() or "State:\tZ" in status.read_text(), status.read_text()
+
+
 def test_crashes_and_bad_templates_become_failed_outcomes(tmp_path: Path) -> None:
     endpoint, task = Endpoint("http://127.0.0.1:9", "k", "m"), Task("t", "p")
     crashed = asyncio.run(CommandAdapter(["sh", "-c", "echo boom >&2; exit 3"]).run(task, endpoint, tmp_path, 10))

@@ -1,11 +1,14 @@
 """Episodes as Ray tasks on a local Ray cluster of several nodes (tests/conftest.py ray_cluster),
 with the real vLLM behind the proxy: the episodes spread over the nodes and are all recorded; a
-node lost mid-run loses no episode and trains none twice; SIGTERM of the driver leaves no Ray
-task and no harness process."""
+node lost mid-run loses no episode and trains none twice; container episodes keep each other's
+containers and a lost node's container is removed; SIGTERM of the driver leaves no Ray task and
+no harness process."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,10 +26,12 @@ from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.engines import RayRollouts
+from harness_adapters.environments import OWNER
 from recorder.episodes import RewardRule
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
+HARBOR = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "harbor"
 CLI_AGENT = Path(__file__).with_name("cli_agent.py")
 
 
@@ -93,6 +98,72 @@ def test_a_lost_node_loses_no_episode_and_trains_none_twice(vllm: Upstream, ray_
     assert sorted(s.id for s in trained) == sorted(r.session_id for r in results)  # the lost never train
     groups = [s.group_id for s in trained]
     assert all(groups.count(g) == 2 for g in groups)  # each group complete, exactly once
+
+
+def test_container_episodes_keep_each_others_containers_and_a_lost_nodes_container_goes(
+    vllm: Upstream, ray_cluster: Any, container_engine: Any, tmp_path: Path
+) -> None:
+    """Issue 45: two quick and two slow container episodes over the two worker nodes (one engine,
+    Podman's, behind both). The quick ones end while the slow ones run (before, the first episode
+    to end removed every container of the run: the others ended failed, and trained); then the
+    node of a running slow one is lost. Its attempt runs again on the other node, every episode
+    scores its tests' 1, none trains twice, and no container stays (the lost one's is reaped)."""
+    tasks = tmp_path / "tasks"
+    for name in ("quick", "slow"):
+        shutil.copytree(HARBOR / "tasks" / "hello-file", tasks / name)
+    script = (
+        'python3 /opt/rl-proxy/agent.py --steps 1 "$1"; if [ "$0" = slow ]; then sleep 25; fi; echo hello >hello.txt'
+    )
+    argv = ["sh", "-c", script, "{task_id}", "{prompt}"]
+    config = CollectConfig.model_validate(
+        {"run": "ray-containers", "tasks": str(tasks), "split": "all", "episodes_per_task": 2, "concurrency": 4,
+         "out": str(tmp_path / "out"), "harness": {"type": "command", "argv": argv},
+         "environment": {"type": "container", "mounts": {str(HARBOR / "agent.py"): "/opt/rl-proxy/agent.py"}},
+         "rollouts": {"engine": "ray", "address": ray_cluster.address, "num_cpus": 1,
+                      "env_vars": {"DOCKER_HOST": os.environ["DOCKER_HOST"]}},
+         "proxy": {"upstream": vllm.url}}
+    )  # fmt: skip
+    out: dict[str, Any] = {}
+    driver = threading.Thread(target=lambda: out.update(results=collect(config, progress=False)[0]))
+    driver.start()
+    db = str(tmp_path / "out" / "rl-proxy.db")
+    deadline = time.monotonic() + 240
+    try:
+        while True:  # the quick ones ended, the slow ones made their call and sleep
+            sessions = _sessions(db)
+            quick = [s for s in sessions if s.task_id == "quick" and s.status == "ok"]
+            slow = [s for s in sessions if s.task_id == "slow" and s.status == "active" and s.calls > 0]
+            if len(quick) == 2 and len(slow) == 2:
+                break
+            assert driver.is_alive() and time.monotonic() < deadline, [(s.task_id, s.status) for s in sessions]
+            time.sleep(0.5)
+        ray_cluster.remove_node(_node_running_an_episode(ray_cluster), allow_graceful=False)
+        driver.join(300)
+    finally:
+        ray_cluster.add_node(num_cpus=2, **NODE)  # for the tests after this one
+    results = out["results"]
+    assert [(r.task.id, r.status, r.reward) for r in sorted(results, key=lambda r: r.task.id)] == [
+        ("quick", "ok", 1.0), ("quick", "ok", 1.0), ("slow", "ok", 1.0), ("slow", "ok", 1.0)
+    ], [r.error for r in results]  # fmt: skip
+    sessions = {s.id: s for s in _sessions(db)}
+    lost = [s for s in sessions.values() if ((s.outcome and s.outcome.error) or "").startswith("lost: ")]
+    assert lost and all(s.task_id == "slow" and s.status == "ended" for s in lost)
+    rerun = [s.metadata.get("replaces") for s in sessions.values() if s.metadata.get("replaces")]
+    assert sorted(rerun) == sorted(s.id for s in lost)  # each lost attempt run again, once
+    trained = [s for s in sessions.values() if s.training_reward(RewardRule()).why == ""]
+    assert sorted(s.id for s in trained) == sorted(r.session_id for r in results)
+    assert container_engine.containers.list(all=True, filters={"label": OWNER}) == []
+
+
+def _node_running_an_episode(cluster: Any) -> Any:
+    """The worker node whose raylet started a worker that runs an episode (`ray::_play`)."""
+    raylets = {node.all_processes["raylet"][0].process.pid: node for node in cluster.list_all_nodes()}
+    for process in psutil.process_iter(["cmdline"]):
+        if (process.info["cmdline"] or [""])[0].startswith("ray::_play"):
+            for parent in process.parents():
+                if parent.pid in raylets and raylets[parent.pid] is not cluster.head_node:
+                    return raylets[parent.pid]
+    raise AssertionError("no worker process runs an episode")
 
 
 def _sessions(db: str) -> list[Any]:

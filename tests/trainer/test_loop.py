@@ -532,9 +532,10 @@ def test_only_the_choice_an_episode_continued_is_trained() -> None:
     """n > 1: call 2 sampled two choices and call 3 went on from the second; the first choice's
     branch did not produce the episode's outcome. At the episode's last call, the first choice
     is the answer. When the chain breaks after the n > 1 call (its next prompt does not extend
-    it), the choice the next call echoes is the one (choice 0 was kept whatever the episode did)."""
-    from recorder.trajectories import build_sequences
-    from trainer.groups import continued
+    it), the choice the next call echoes is the one (choice 0 was kept whatever the episode did).
+    The session graph decides it (issue 45: graph.build, and so exports and the viewer, trained
+    both choices while the trainer trained one); the thrown-away choice is set aside."""
+    from recorder.graph import build
 
     def made(seq: int, prompt: list[int], *choices: list[int], messages: list[Any] | None = None) -> CallRecord:
         texts = [
@@ -560,14 +561,18 @@ def test_only_the_choice_an_episode_continued_is_trained() -> None:
             finished_at=T0,
         )
 
+    def spans(sequences: list[Any]) -> list[list[tuple[int, int]]]:
+        return [[(span.seq, span.choice) for span in q.spans] for q in sequences]
+
     calls = [made(1, [1, 2], [10]), made(2, [1, 2, 10, 3], [11], [20]), made(3, [1, 2, 10, 3, 20, 4], [12], [30])]
-    kept = continued(build_sequences(calls).sequences, calls)
-    assert [[(span.seq, span.choice) for span in q.spans] for q in kept] == [[(1, 0), (2, 1), (3, 0)]]
+    graph = build(calls)
+    assert spans(graph.trained.sequences) == [[(1, 0), (2, 1), (3, 0)]]
+    assert spans(graph.aside.sequences) == [[(1, 0), (2, 0)], [(1, 0), (2, 1), (3, 1)]]
+    assert [q.chain for q in graph.trained.sequences + graph.aside.sequences] == [0, 1, 2]
     ask = [{"role": "user", "content": "go"}]
     then = [*ask, {"role": "assistant", "content": "answer [21]"}, {"role": "user", "content": "more"}]
     broken = [made(1, [1, 2], [11], [21], messages=ask), made(2, [9, 9, 9], [12], messages=then)]
-    kept = continued(build_sequences(broken).sequences, broken)
-    assert [[(span.seq, span.choice) for span in q.spans] for q in kept] == [[(1, 1)], [(2, 0)]]
+    assert spans(build(broken).trained.sequences) == [[(1, 1)], [(2, 0)]]
 
 
 def test_a_session_that_joined_a_group_by_its_key_is_left_out_and_counted(tmp_path: Path) -> None:
