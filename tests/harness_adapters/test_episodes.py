@@ -11,7 +11,7 @@ import re
 import sqlite3
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from harness_adapters.episode import (
     CommandAdapter,
     Endpoint,
     LangChainAdapter,
+    Outcome,
     PythonAdapter,
     load_callable,
 )
@@ -218,6 +219,50 @@ def test_a_runner_killed_outright_leaves_no_harness_process(tmp_path: Path) -> N
     while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not status.exists() or "State:\tZ" in status.read_text(), status.read_text()
+
+
+def test_an_infrastructure_fault_is_no_failure_of_the_agent_and_runs_the_episode_again(
+    make_proxy: Any, stub: str, tmp_path: Path
+) -> None:
+    """Issue 45: an error that is not the harness's (a container engine's connection lost, an
+    error of ours) escaped the episode, left its session active and, under async training, lost
+    its whole group; an engine error mid-run was trained as the agent's failure. Now the attempt
+    ends "ended" (infra, never trained), the episode runs again under a new session that names
+    it, and the group is whole. The upstream is the stub (fault injection, no model needed)."""
+    import requests
+
+    from recorder.episodes import RewardRule
+
+    proxy = make_proxy(stub)
+
+    @dataclass
+    class Flaky:  # a harness whose environment's engine fails the first attempt of each episode
+        failed: set[int] = field(default_factory=set)
+
+        async def run(self, task: Task, endpoint: Endpoint, workdir: Path, timeout: float, box: Any = None) -> Outcome:
+            from openai import AsyncOpenAI
+
+            async with AsyncOpenAI(base_url=endpoint.openai_base_url, api_key=endpoint.api_key) as client:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            episode = int(task.data["n"])
+            if episode not in self.failed:
+                self.failed.add(episode)
+                raise requests.ConnectionError("the engine went away")
+            return Outcome("ok")
+
+    runner = EpisodeRunner(
+        proxy.url, Flaky(), [CommandReward(command=["echo", "1"])], MODEL, tmp_path / "work", "infra"
+    )
+    tasks = [Task(f"t{n}", "go", data={"n": n}) for n in range(2)]
+    results = asyncio.run(runner.run_all(tasks, 1))
+    assert [(r.status, r.reward) for r in results] == [("ok", 1.0), ("ok", 1.0)], [r.error for r in results]
+    sessions = {s.id: s for s in proxy.sessions()}
+    for result in results:
+        [earlier] = result.retried
+        first = sessions[str(earlier["session_id"])]
+        assert first.status == "ended" and (first.outcome.error or "").startswith("infra: ConnectionError")  # type: ignore[union-attr]
+        assert first.training_reward(RewardRule()).value is None  # never trained
+        assert sessions[result.session_id].metadata["replaces"] == first.id
 
 
 def test_crashes_and_bad_templates_become_failed_outcomes(tmp_path: Path) -> None:
