@@ -188,7 +188,8 @@ class CollectConfig(Strict):
         before any episode runs)."""
         sources = []
         for i, source in enumerate(self.rewards):
-            if source.type == "harness" and isinstance(self.environment, ContainerEnvironment):
+            gateway = isinstance(self.environment, ContainerEnvironment) and self.environment.network == "gateway"
+            if source.type == "harness" and gateway:
                 raise ConfigError(
                     f"rewards[{i}]: a harness reward is what the agent posts itself, and a container's agent "
                     "cannot reach the admin API (docs/environments.md): score it with its tests or another source"

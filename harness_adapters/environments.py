@@ -121,7 +121,7 @@ class ContainerEnvironment(HostEnvironment):
     _client: DockerClient | None = PrivateAttr(None)
     _owner: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
     _builds: dict[str, asyncio.Lock] = PrivateAttr(default_factory=dict)
-    _images: dict[str, str | ContainerError] = PrivateAttr(default_factory=dict)  # by task folder
+    _images: dict[str, str | BuildError] = PrivateAttr(default_factory=dict)  # by task folder
 
     def __getstate__(self) -> dict[Any, Any]:
         """Pickled (a Ray task's copy): the same owner label, no engine connection or builds."""
@@ -151,10 +151,12 @@ class ContainerEnvironment(HostEnvironment):
                     if not _exists(self.client(), tag):
                         await asyncio.to_thread(build_image, self.client(), context, tag, spec.build_timeout)
                     self._images[key] = tag
-                except ContainerError as exc:  # a build that fails is not tried again this run
+                # A build that fails is not tried again this run; an engine that did not answer
+                # (any other ContainerError) is, at the next attempt: that is no fault of the task's.
+                except BuildError as exc:
                     self._images[key] = exc
         found = self._images[key]
-        if isinstance(found, ContainerError):
+        if isinstance(found, BuildError):
             raise found
         return found
 
@@ -177,10 +179,11 @@ class ContainerEnvironment(HostEnvironment):
         network = "host" if self.network == "host" else "none"
         create = self.client().containers.run
         try:
-            # `sleep` is the container's PID 1, so that `kill -9 -1` in it ends everything else.
+            # `sleep` is the container's PID 1, so that `kill -9 -1` in it ends everything else (the
+            # image's own ENTRYPOINT, an init or a script, would make it PID 2, and the kill its end).
             container = await asyncio.to_thread(
-                create, image, ["sleep", "infinity"], detach=True, network_mode=network, labels=labels,
-                volumes=volumes, **options,
+                create, image, None, entrypoint=["sleep", "infinity"], detach=True, network_mode=network,
+                labels=labels, volumes=volumes, **options,
             )  # fmt: skip
         except Exception as exc:  # the engine's own errors: a missing image, a bad limit
             raise ContainerError(f"task {task.id}: cannot start a container of {image}: {exc}") from exc
@@ -244,9 +247,12 @@ class Box:
     logs: Path  # the episode's work directory on the host: /logs/agent and /logs/verifier are copied there
     proxy_url: str | None = None  # the proxy as the harness inside reaches it
 
-    async def run(self, argv: list[str], env: dict[str, str], out: BinaryIO, err: BinaryIO, timeout: float) -> int:
+    async def run(
+        self, argv: list[str], env: dict[str, str], out: BinaryIO, err: BinaryIO, timeout: float, stop: bool = True
+    ) -> int:
         """Run `argv` in the container; its exit code. At the timeout every process in the
-        container is killed (the container stays, for the tests) and TimeoutError raised."""
+        container is killed (the container stays, for the tests) and TimeoutError raised; with
+        `stop` False (the kill itself), ContainerError: the container no longer answers."""
         api = self.container.client.api
 
         def execute() -> int:
@@ -258,6 +264,8 @@ class Box:
 
         running = asyncio.ensure_future(_engine(execute))
         done, _ = await asyncio.wait({running}, timeout=timeout)
+        if not done and not stop:
+            raise ContainerError(f"the container did not run {argv[0]!r} in {timeout:g} s")
         if not done:
             await self.stop_agent()
             with contextlib.suppress(Exception):  # its stream ends with its processes
@@ -268,7 +276,8 @@ class Box:
     async def stop_agent(self) -> None:
         """Kill every process in the container but its PID 1: what the harness left running (a
         background job that would rewrite the reward after the tests) ends before they run."""
-        await self.shell("kill -9 -1 2>/dev/null; true", 60)
+        with open(os.devnull, "wb") as out:
+            await self.run(["sh", "-c", "kill -9 -1 2>/dev/null; true"], {}, out, out, 60, stop=False)
 
     async def put(self, files: dict[str, bytes], at: str | None = None) -> None:
         """Write files (relative path -> content) under `at` (default: the working directory)."""

@@ -156,8 +156,7 @@ SUPERVISOR = r"""
 import ctypes, os, signal, subprocess, sys
 signal.signal(signal.SIGUSR2, lambda *_: os.killpg(0, signal.SIGKILL))
 signal.signal(signal.SIGTERM, lambda *_: None)
-ctypes.CDLL(None).prctl(1, signal.SIGUSR2)
-if os.getppid() != int(sys.argv[1]):
+if ctypes.CDLL(None).prctl(1, signal.SIGUSR2) != 0 or os.getppid() != int(sys.argv[1]):
     os.killpg(0, signal.SIGKILL)
 try:
     harness = subprocess.Popen(sys.argv[2:])
@@ -170,7 +169,7 @@ sys.exit(code if code >= 0 else 128 - code)
 
 def supervised(argv: list[str]) -> list[str]:
     """`argv` under SUPERVISOR, for a new process group of its own (see there)."""
-    return [sys.executable, "-c", SUPERVISOR, str(os.getpid()), *argv]
+    return [sys.executable, "-I", "-c", SUPERVISOR, str(os.getpid()), *argv]  # -I: no module of the workdir
 
 
 def _kill_group(pid: int) -> None:

@@ -22,6 +22,7 @@ import re
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,9 +46,16 @@ class GatewayError(RuntimeError):
 
 
 def container_pid(container: Any) -> int:
-    """The host PID of a running container's main process (0: the engine is on another machine)."""
+    """The PID of a running container's main process on this machine; 0 when no process here is
+    it (the engine is on another machine, or this one runs in a container of its own, where the
+    engine's PID names another process): its cgroups must name the container."""
     container.reload()
-    return int(container.attrs["State"]["Pid"] or 0)
+    pid = int(container.attrs["State"]["Pid"] or 0)
+    try:
+        cgroups = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return 0
+    return pid if pid > 0 and container.id in cgroups else 0
 
 
 def listen_in(pid: int, port: int) -> socket.socket:
@@ -132,7 +140,10 @@ async def gateway(pid: int, proxy_url: str, key: str) -> AsyncIterator[str]:
     port = urlsplit(proxy_url).port or 80
     sock = listen_in(pid, port)
     # log_config None: the run's logging stays as the run set it (uvicorn's would replace it)
-    config = uvicorn.Config(gateway_app(proxy_url, key), log_config=None, access_log=False, lifespan="on")
+    # An answer still streaming when the episode ends (a background job's) holds the shutdown 2 s at most.
+    config = uvicorn.Config(
+        gateway_app(proxy_url, key), log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
+    )
     server = _Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:

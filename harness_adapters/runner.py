@@ -28,7 +28,7 @@ import json
 import logging
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -189,9 +189,10 @@ class EpisodeRunner:
         outcome = Outcome("failed", error="the environment did not start")
         try:
             async with self.environment.episode(task, workdir, self.proxy_url, session.key) as box:
-                url = box.proxy_url if box is not None and box.proxy_url else self.proxy_url
-                endpoint = Endpoint(url, session.key, self.model, session.id)
-                outcome = await self.adapter.run(task, endpoint, workdir, timeout, box)
+                # The harness reaches the proxy from where it runs; the reward sources from here.
+                endpoint = Endpoint(self.proxy_url, session.key, self.model, session.id)
+                inside = replace(endpoint, url=box.proxy_url) if box is not None and box.proxy_url else endpoint
+                outcome = await self.adapter.run(task, inside, workdir, timeout, box)
                 info = await admin.session(session.id)
                 status: EpisodeStatus = outcome.status
                 error = outcome.error

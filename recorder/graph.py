@@ -409,8 +409,15 @@ def delivery(calls: list[CallRecord], graph: SessionGraph) -> tuple[int, int, in
     trained, those in the longest sequence alone): what the capture lost of what should be
     trained (failed or skipped calls, ids missing), and what keeping one chain per episode (as
     NeMo Gym's capture and verl's keep-the-longest do) would deliver. Aux calls and the
-    untrained one of a retry pair are in none."""
+    untrained one of a retry pair are in none; of an n > 1 call's choices, the one trained (the
+    first, if none reached a sequence)."""
     trained = graph.trained_calls
-    sampled = sum(len(choice.token_ids) for c in calls if c.seq in trained for choice in c.completions)
+    chosen = {(span.seq, span.choice) for q in graph.trained.sequences for span in q.spans}
+
+    def meant(call: CallRecord) -> int:
+        picked = [c for c in call.completions if (call.seq, c.index) in chosen] or call.completions[:1]
+        return sum(len(c.token_ids) for c in picked)
+
+    sampled = sum(meant(c) for c in calls if c.seq in trained)
     reached = [s.sampled_tokens for s in graph.trained.sequences]
     return sum(reached), sampled, max(reached, default=0)

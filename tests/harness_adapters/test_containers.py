@@ -91,6 +91,9 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     _task_like(tasks, "hello-file", "exits-1")
     with open(tasks / "exits-1" / "environment" / "Dockerfile", "a") as dockerfile:
         dockerfile.write("RUN touch fails\n")
+    _task_like(tasks, "hello-file", "entrypoint")  # an ENTRYPOINT that is no exec: rl-proxy's sleep stays PID 1
+    with open(tasks / "entrypoint" / "environment" / "Dockerfile", "a") as dockerfile:
+        dockerfile.write('ENTRYPOINT ["/bin/sh", "-c", "sleep infinity & wait"]\n')
     _task_like(tasks, "hello-file", "broken")
     with open(tasks / "broken" / "environment" / "Dockerfile", "a") as dockerfile:
         dockerfile.write("RUN exit 3\n")
@@ -136,6 +139,7 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
         "hello-file": ("ok", 1.0, [("tests", 1.0)]),
         "slow": ("ok", 1.0, [("tests", 1.0)]),
         "exits-1": ("ok", 1.0, [("tests", 1.0)]),
+        "entrypoint": ("ok", 1.0, [("tests", 1.0)]),
     }, {name: r.error for name, r in by_task.items()}
     for result in by_task.values():
         assert result.calls >= 1  # the harness in the container reached the proxy

@@ -535,7 +535,7 @@ def test_only_the_choice_an_episode_continued_is_trained() -> None:
     it), the choice the next call echoes is the one (choice 0 was kept whatever the episode did).
     The session graph decides it (issue 45: graph.build, and so exports and the viewer, trained
     both choices while the trainer trained one); the thrown-away choice is set aside."""
-    from recorder.graph import build
+    from recorder.graph import build, delivery
 
     def made(seq: int, prompt: list[int], *choices: list[int], messages: list[Any] | None = None) -> CallRecord:
         texts = [
@@ -567,6 +567,7 @@ def test_only_the_choice_an_episode_continued_is_trained() -> None:
     calls = [made(1, [1, 2], [10]), made(2, [1, 2, 10, 3], [11], [20]), made(3, [1, 2, 10, 3, 20, 4], [12], [30])]
     graph = build(calls)
     assert spans(graph.trained.sequences) == [[(1, 0), (2, 1), (3, 0)]]
+    assert delivery(calls, graph)[:2] == (3, 3)  # what is meant of call 2 is the choice trained
     assert spans(graph.aside.sequences) == [[(1, 0), (2, 0)], [(1, 0), (2, 1), (3, 1)]]
     assert [q.chain for q in graph.trained.sequences + graph.aside.sequences] == [0, 1, 2]
     ask = [{"role": "user", "content": "go"}]
