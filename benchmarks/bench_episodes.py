@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness_adapters.episode import PythonAdapter, load_callable
+from harness_adapters.harnesses import PythonAdapter, load_callable
 from harness_adapters.rewards import PythonReward
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks

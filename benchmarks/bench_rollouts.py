@@ -24,7 +24,7 @@ from benchmarks.bench_episodes import EXAMPLE, bench_vllm
 from benchmarks.support.ray_cluster import local_cluster
 from benchmarks.support.stub_upstream import stub_app
 from harness_adapters.engines import LocalRollouts, RayRollouts, engine_for
-from harness_adapters.episode import PythonAdapter, load_callable
+from harness_adapters.harnesses import PythonAdapter, load_callable
 from harness_adapters.rewards import PythonReward
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.grpo import Learner, Sample
+from trainer.grpo import Learner
+from trainer.sample import Sample
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig

@@ -1,8 +1,9 @@
 """Harness adapters run agent harnesses as RL episodes against the proxy.
 
-tasks.py reads tasks; episode.py runs one episode with an adapter (command, python, OpenAI
-Agents SDK, LangChain); rewards.py scores it; runner.py runs many through the proxy's admin API;
-rollouts.py groups episodes for GRPO; config.py, collect.py and cli.py are `rl-proxy collect`.
-examples/arithmetic and examples/shell are the shipped tasks. Imports the proxy (to start it for
-a run, and its typed admin client) and the recorder; never the trainer.
+Its rooms, lowest first: tasks/ (what an episode is asked to do) <- environments/ (where it
+runs: host, bubblewrap, a container) <- harnesses/ (what runs the agent) <- rewards.py (how it is
+scored) <- runner.py (many episodes through the proxy's admin API) <- engines.py (Ray) <-
+rollouts.py, config.py, collect.py, cli.py (`rl-proxy collect`). examples/ holds the shipped
+tasks. Imports the proxy (to start it for a run, and its typed admin client) and the recorder;
+never the trainer. docs/development.md has each room's rule.
 """

@@ -17,9 +17,9 @@ from rich.table import Table
 from harness_adapters.collect import collect as run_collect
 from harness_adapters.config import CollectConfig, ConfigError, load_config
 from harness_adapters.environments import BASE_IMAGE, ContainerEnvironment, ContainerError, base_image
-from harness_adapters.harbor import CheckResult, check_tasks, is_harbor, read_harbor
+from harness_adapters.environments.oracle import CheckResult, check_tasks
 from harness_adapters.runner import summary
-from harness_adapters.tasks import TaskError
+from harness_adapters.tasks import TaskError, is_harbor, read_harbor
 from proxy.server import stop_on_sigterm
 from recorder import Store
 from recorder.validation import grade_counts, grade_line

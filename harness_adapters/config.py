@@ -12,7 +12,7 @@ Unknown keys are refused by name. Paths are relative to the config file. Example
       type: python              # python | command | agents_sdk | langchain
       agent: agent.py:agent
     environment:
-      type: host                # host | bubblewrap | container (harness_adapters/environments.py)
+      type: host                # host | bubblewrap | container (harness_adapters/environments/)
     rollouts:
       engine: local             # local | ray (harness_adapters/engines.py)
     rewards:
@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from harness_adapters.engines import LocalRollouts, RolloutsConfig
 from harness_adapters.environments import ContainerEnvironment, Environment, HostEnvironment
-from harness_adapters.episode import (
+from harness_adapters.harnesses import (
     Adapter,
     AgentsSdkAdapter,
     CommandAdapter,

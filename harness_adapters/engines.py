@@ -30,19 +30,16 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from harness_adapters.environments import ContainerEnvironment, Environment
-from harness_adapters.episode import FROM_FILES, Outcome
+from harness_adapters.harnesses import FROM_FILES, Outcome
+from harness_adapters.runner import LOST, EpisodeResult, EpisodeRunner
 from harness_adapters.tasks import Task
-
-if TYPE_CHECKING:
-    from harness_adapters.runner import EpisodeResult, EpisodeRunner
-    from proxy.admin_client import AdminClient
-    from recorder import SessionInfo
-
+from proxy.admin_client import AdminClient
+from recorder import SessionInfo
 
 log = logging.getLogger("rl_proxy.engines")
 
@@ -183,8 +180,6 @@ class RayEngine:
 
         for module in FROM_FILES:  # an agent loaded from a file is no module the workers can import
             ray.cloudpickle.register_pickle_by_value(sys.modules[module])
-        from harness_adapters.runner import LOST
-
         # SPREAD: an episode goes to the node with the fewest of them (Ray's default fills one node first).
         options: dict[str, Any] = {
             "num_cpus": self.settings.num_cpus,

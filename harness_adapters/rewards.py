@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from harness_adapters.episode import Endpoint, Outcome, command_env, load_callable, template_values
+from harness_adapters.harnesses.base import Endpoint, Outcome, command_env, load_callable, template_values
 from harness_adapters.tasks import Task
 
 JUDGE_PROMPT = """You grade an AI agent's work. Rubric:

@@ -3,7 +3,7 @@ workdir, then scored and closed. Talks to the proxy only through its admin API, 
 may be in this process or anywhere else.
 
 Each episode: create a session (`run`, `task_id`, `group_id` = run/task: the GRPO group) ->
-start its environment (harness_adapters/environments.py: a container for a Harbor task) ->
+start its environment (harness_adapters/environments/: a container for a Harbor task) ->
 run the harness -> count its calls (none: reported as "no_calls", by name, and never scored:
 the harness ignored the proxy's address) -> score it (a Harbor task's tests, each named reward
 they wrote posted as "tests.<name>"; then each reward source posted under its name) -> remove
@@ -30,16 +30,13 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-from harness_adapters.environments import Box, BuildError, ContainerError, Environment, HostEnvironment
-from harness_adapters.episode import Adapter, Endpoint, Outcome
+from harness_adapters.environments import Box, BuildError, ContainerError, Environment, HostEnvironment, TestsError
+from harness_adapters.harnesses import Adapter, Endpoint, Outcome
 from harness_adapters.rewards import RewardError, RewardSource, weighted
 from harness_adapters.tasks import Task
 from proxy.admin_client import AdminClient
-
-if TYPE_CHECKING:
-    from harness_adapters.engines import RayEngine
 from recorder import SessionInfo
 from recorder.episodes import EpisodeOutcome, EpisodeStatus, RewardPart, Sampling
 
@@ -103,6 +100,17 @@ class EpisodeResult:
         }
 
 
+class Engine(Protocol):
+    """Where an open session's episode runs when not in this process (harness_adapters/engines.py:
+    a Ray task); chosen above the runner (`collect`, `train`) and handed to it."""
+
+    async def play(
+        self, runner: EpisodeRunner, admin: AdminClient, session: SessionInfo, task: Task, n: int
+    ) -> EpisodeResult: ...
+
+    def describe(self) -> str: ...
+
+
 @dataclass
 class EpisodeRunner:
     proxy_url: str
@@ -116,7 +124,7 @@ class EpisodeRunner:
     admin_token: str | None = None
     sampling: Sampling | None = None  # set by the proxy on every call, whatever the harness asks
     environment: Environment = field(default_factory=HostEnvironment)
-    engine: RayEngine | None = None  # None: every episode runs in this process
+    engine: Engine | None = None  # None: every episode runs in this process
     attempts: int = 3  # runs of an episode that infrastructure faults ended, the first included
 
     def admin(self) -> AdminClient:
@@ -207,7 +215,7 @@ class EpisodeRunner:
                     try:
                         parts = await self.score(admin, session.id, task, outcome, endpoint, workdir, info.reward, box)
                         reward, status = sum(part.value for part in parts), "ok"
-                    except RewardError as exc:
+                    except (RewardError, TestsError) as exc:
                         status, error = ("failed" if outcome.status == "ok" else outcome.status), str(exc)
         except BuildError as exc:  # the task's image does not build: every attempt would fail alike
             return await self.end_infra(admin, session, task, n, outcome, f"{BUILD_FAILED}{exc}")

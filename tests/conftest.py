@@ -108,7 +108,7 @@ def engine_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The DOCKER_HOST of a container engine with the tasks' base image built: the one set, else
     Podman's Docker-compatible service started here (tests/podman.conf), once per test run. The
     base image is built from Debian's packages if the engine lacks it."""
-    from harness_adapters.environments import BASE_IMAGE, _exists, base_image, engine
+    from harness_adapters.environments.containers import BASE_IMAGE, _exists, base_image, engine
 
     given = os.environ.get("DOCKER_HOST")
     service = None
@@ -141,7 +141,7 @@ def engine_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def container_engine(engine_service: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A client of engine_service's engine, at DOCKER_HOST for this test only (a harness of a
     later test, Claude Code or Codex, sees no container engine in its environment)."""
-    from harness_adapters.environments import engine
+    from harness_adapters.environments.containers import engine
 
     monkeypatch.setenv("DOCKER_HOST", engine_service)
     client = engine()

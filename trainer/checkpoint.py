@@ -11,13 +11,23 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from trainer.grpo import Learner
+from typing import Any, Protocol
 
 
-def save_version(learner: Learner, directory: Path, with_optimizer: bool) -> None:
+class Versioned(Protocol):
+    """What a version directory is written from and resumed into: the learner (trainer/grpo.py)."""
+
+    trl: Any  # TRL's GRPOTrainer: its accelerator, optimizer and scheduler
+    model: Any
+    tokenizer: Any
+    rank: int
+    fsdp: bool
+    lora: dict[str, Any] | None  # the LoRA settings of a LoRA run
+    sharding: str
+    serve_dtype: Any
+
+
+def save_version(learner: Versioned, directory: Path, with_optimizer: bool) -> None:
     """`Learner.save` on every rank: rank 0 writes what vLLM serves, gathered from the shards
     when sharded; with `with_optimizer`, each rank its part of the learner's state."""
     import torch
@@ -39,7 +49,7 @@ def save_version(learner: Learner, directory: Path, with_optimizer: bool) -> Non
             torch.save(kept, directory / "learner" / "scheduler.pt")
 
 
-def resume(learner: Learner, directory: Path) -> None:
+def resume(learner: Versioned, directory: Path) -> None:
     """Put a checkpoint's learner state into `learner` (every rank)."""
     import torch
 

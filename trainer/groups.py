@@ -30,7 +30,7 @@ from recorder.store import Store
 from recorder.trajectories import TrainingSequence
 from recorder.validation import check
 from trainer.config import TrainConfig, TrainSection
-from trainer.grpo import Sample
+from trainer.sample import Sample
 
 FAILING_GROUPS = 3
 # vLLM's sampling settings that shape the distribution its logprobs come from, at their neutral values.

@@ -23,34 +23,17 @@ import contextlib
 import itertools
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from recorder.records import LearnerView
-from recorder.trajectories import TrainingSequence
 from trainer import checkpoint
 from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_logps
+from trainer.sample import Sample
 from trainer.sharding import average_gradients, checkpoint_layers, full_norm, shard
 from trainer.weights import CLIPPED, importance_ratio, kl_term, learner_settings, token_weights
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Sample:
-    """A training sequence and the advantage of the episode it came from. A `filler` row
-    weighs nothing (its loss mask is taken as all 0): it evens out the rows of a micro-batch
-    across processes."""
-
-    sequence: TrainingSequence
-    advantage: float
-    filler: bool = False
-
-    @property
-    def split(self) -> int:
-        """Where the completion starts: the first sampled token."""
-        return self.sequence.loss_mask.index(1)
 
 
 VIEWS_PER_STEP = 4  # sequences a step keeps the learner's logprobs of (LearnerView)

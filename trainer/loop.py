@@ -41,8 +41,9 @@ from recorder.store import Store
 from recorder.trajectories import TrainingSequence
 from trainer.config import TrainConfig
 from trainer.groups import GroupReader, LoopState, TrainError, successes
-from trainer.grpo import Learner, Sample
+from trainer.grpo import Learner
 from trainer.nccl import NcclSync
+from trainer.sample import Sample
 from trainer.weight_sync import SwapError, hot_swap, load_adapter
 
 log = logging.getLogger(__name__)

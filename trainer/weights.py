@@ -20,7 +20,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.grpo import Sample
+    from trainer.sample import Sample
 
 log = logging.getLogger("rl_proxy.trainer")
 

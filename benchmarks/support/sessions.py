@@ -18,7 +18,7 @@ from openai import OpenAI
 
 from benchmarks.support.samples import ADD_TOOL, FORCE_ADD
 from harness_adapters.config import CollectConfig, load_config
-from harness_adapters.episode import CommandAdapter, command_env
+from harness_adapters.harnesses import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import load_tasks
 from recorder import CallRecord

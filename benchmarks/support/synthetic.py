@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recorder.trajectories import NEUTRAL_LOGPROB, Span, TrainingSequence
-from trainer.grpo import Sample
+from trainer.sample import Sample
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.support.sessions import HARNESS_BIN
 from benchmarks.support.stack import Upstream
-from harness_adapters.episode import CommandAdapter
+from harness_adapters.harnesses import CommandAdapter
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
 

@@ -21,7 +21,7 @@ import pytest
 from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
-from harness_adapters.environments import OWNER
+from harness_adapters.environments.containers import OWNER
 from harness_adapters.runner import BUILD_FAILED
 from recorder.episodes import RewardRule
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from benchmarks.support.stack import RunningProxy, Upstream
 from benchmarks.support.stub_upstream import MODEL, stub_app
 from harness_adapters.config import CollectConfig, ConfigError, load_config
-from harness_adapters.episode import (
+from harness_adapters.harnesses import (
     AgentsSdkAdapter,
     CommandAdapter,
     Endpoint,
@@ -203,7 +203,7 @@ def test_a_runner_killed_outright_leaves_no_harness_process(tmp_path: Path) -> N
     script = "sleep 300 & echo $! > child.pid; sleep 300"
     runner = (
         "import asyncio, sys; from pathlib import Path; "
-        "from harness_adapters.episode import CommandAdapter, Endpoint; from harness_adapters.tasks import Task; "
+        "from harness_adapters.harnesses import CommandAdapter, Endpoint; from harness_adapters.tasks import Task; "
         f"asyncio.run(CommandAdapter(['sh', '-c', {script!r}]).run("
         "Task('t', 'p'), Endpoint('http://127.0.0.1:9', 'k', 'm'), Path(sys.argv[1]), 600))"
     )

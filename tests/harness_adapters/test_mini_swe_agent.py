@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.support.stack import Upstream
 from harness_adapters.environments import BubblewrapEnvironment
-from harness_adapters.episode import CommandAdapter, command_env
+from harness_adapters.harnesses import CommandAdapter, command_env
 from harness_adapters.runner import EpisodeRunner
 from harness_adapters.tasks import Task
 

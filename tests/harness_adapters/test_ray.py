@@ -26,7 +26,7 @@ from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.engines import RayRollouts
-from harness_adapters.environments import OWNER
+from harness_adapters.environments.containers import OWNER
 from recorder.episodes import RewardRule
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -14,7 +14,7 @@ import pytest
 from benchmarks.support.stack import Upstream
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
-from harness_adapters.episode import Outcome
+from harness_adapters.harnesses import Outcome
 from harness_adapters.rewards import PythonReward
 from harness_adapters.tasks import Task, load_tasks
 from trainer.config import TrainConfig

@@ -22,7 +22,8 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from tests.support.sequences import cut_episode, groups
-    from trainer.grpo import Learner, Sample
+    from trainer.grpo import Learner
+    from trainer.sample import Sample
 
     tokenizer_dir, out = sys.argv[1], Path(sys.argv[2])
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -8,7 +8,7 @@ import random
 from dataclasses import replace
 
 from recorder.trajectories import Span, TrainingSequence
-from trainer.grpo import Sample
+from trainer.sample import Sample
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 

@@ -20,7 +20,8 @@ pytest.importorskip("trl")
 
 from recorder.episodes import advantages  # noqa: E402
 from tests.support.sequences import LORA, cut_episode, groups, sequence  # noqa: E402
-from trainer.grpo import Learner, Sample  # noqa: E402
+from trainer.grpo import Learner  # noqa: E402
+from trainer.sample import Sample  # noqa: E402
 
 CASES = [
     # loss_type, importance_sampling_level, vLLM importance-sampling mode (None: no correction)

@@ -1,61 +1,22 @@
-"""Tasks: what one episode is asked to do, read from a JSONL file or a Hugging Face dataset.
-
-A task has an `id`, a `prompt` (or `instruction`), an optional `split` ("train" unless given;
-"test", "eval", "heldout" and "validation" count as held out) and any other fields, which go to
-`data` for the verifier. Rows with missing fields are refused up front, all of them at once,
-with their line numbers. A folder of Harbor tasks (harness_adapters/harbor.py) is a source too.
+"""Where tasks come from: a JSONL file, a folder of Harbor tasks (tasks/harbor.py), a
+`datasets.save_to_disk` directory or a Hugging Face hub dataset. Rows with missing fields are
+refused up front, all of them at once, with their line numbers.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from harness_adapters.harbor import HarborTask
-
-HELD_OUT = ("test", "eval", "heldout", "held_out", "validation")
-
-
-class TaskError(ValueError):
-    """A task file that cannot be used; the message names every bad row."""
-
-
-@dataclass(frozen=True)
-class Task:
-    id: str
-    prompt: str
-    split: str = "train"
-    data: dict[str, Any] = field(default_factory=dict)
-    harbor: HarborTask | None = None  # a Harbor task: its folder (image, tests, oracle) and task.toml
-
-    @property
-    def held_out(self) -> bool:
-        return self.split in HELD_OUT
-
-
-def task_from_row(row: Any, where: str) -> Task:
-    if not isinstance(row, dict):
-        raise TaskError(f"{where}: a task must be a JSON object, not {type(row).__name__}")
-    prompt = row.get("prompt", row.get("instruction"))
-    missing = [name for name, value in (("id", row.get("id")), ("prompt", prompt)) if value in (None, "")]
-    if missing:
-        raise TaskError(f"{where}: missing {' and '.join(repr(m) for m in missing)}")
-    if not isinstance(prompt, str):
-        raise TaskError(f"{where}: 'prompt' must be a string")
-    data = {k: v for k, v in row.items() if k not in ("id", "prompt", "instruction", "split")}
-    return Task(id=str(row["id"]), prompt=prompt, split=str(row.get("split") or "train"), data=data)
+from harness_adapters.tasks.harbor import is_harbor, load_harbor
+from harness_adapters.tasks.task import HELD_OUT, Task, TaskError, task_from_row
 
 
 def load_tasks(source: str | Path, split: str | None = None) -> list[Task]:
     """Tasks from a JSONL file, a folder of Harbor tasks, a `datasets.save_to_disk` directory or
     a hub dataset name (`name` or `name:split`); only those of `split` ("train" or "heldout")
     when given."""
-    from harness_adapters.harbor import is_harbor, load_harbor
-
     path = Path(source)
     if path.is_file():
         tasks = _from_jsonl(path)

@@ -11,7 +11,7 @@ tasks, each a folder of its own:
     solution/solve.sh        the oracle (`rl-proxy tasks check` runs it)
 
 The task's id is its folder's name; its split is `[metadata] split` ("train" unless given; the
-held-out names of harness_adapters/tasks.py count as held out). Hidden folders (`.git`) are no
+held-out names of tasks/task.py count as held out). Hidden folders (`.git`) are no
 tasks. Harbor's defaults apply where a task names none (1 CPU, 2048 MB; the tests' timeout 600 s,
 the agent's the run's `timeout`), and a value must be a finite number within bounds (BOUNDS). A malformed
 task is refused by name with what is wrong, all of them at once.
@@ -19,54 +19,11 @@ task is refused by name with what is wrong, all of them at once.
 
 from __future__ import annotations
 
-import asyncio
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness_adapters.environments import ContainerEnvironment, ContainerError, say
-from harness_adapters.rewards import RewardError
-from harness_adapters.tasks import Task, TaskError
-
-
-@dataclass(frozen=True)
-class HarborTask:
-    """A Harbor task's folder and its task.toml, as written (unknown fields kept)."""
-
-    dir: Path
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def _get(self, section: str, key: str, default: Any = None) -> Any:
-        return self.config.get(section, {}).get(key, default)
-
-    @property
-    def agent_timeout(self) -> float | None:  # None: the run's `timeout`
-        return self._get("agent", "timeout_sec")
-
-    @property
-    def verifier_timeout(self) -> float:
-        return float(self._get("verifier", "timeout_sec", 600.0))
-
-    @property
-    def verifier_env(self) -> dict[str, str]:
-        return dict(self._get("verifier", "env", {}))
-
-    @property
-    def cpus(self) -> float:
-        return float(self._get("environment", "cpus", 1))
-
-    @property
-    def memory_mb(self) -> int:
-        return int(self._get("environment", "memory_mb", 2048))
-
-    @property
-    def build_timeout(self) -> float:
-        return float(self._get("environment", "build_timeout_sec", 600.0))
-
-    @property
-    def docker_image(self) -> str | None:
-        return self._get("environment", "docker_image")
+from harness_adapters.tasks.task import HarborTask, Task, TaskError
 
 
 def is_harbor(path: Path) -> bool:
@@ -177,64 +134,3 @@ def harbor_task(folder: Path) -> Task:
         data={k: v for k, v in metadata.items() if k != "split"},
         harbor=HarborTask(folder.resolve(), config),
     )
-
-
-@dataclass
-class CheckResult:
-    """A task's oracle against doing nothing: a task is ok when its solution scores 1 on every
-    named reward and an untouched environment 0 on every one."""
-
-    task: str
-    oracle_reward: float | None = None
-    noop_reward: float | None = None
-    ok: bool = False
-    error: str | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("task", "oracle_reward", "noop_reward", "ok", "error")}
-
-
-async def check_task(environment: ContainerEnvironment, task: Task, logs: Path) -> CheckResult:
-    """Build the task's image, run its oracle then its tests in one container, and its tests
-    alone in another (logs under `logs/oracle` and `logs/noop`)."""
-    spec = task.harbor
-    assert spec is not None
-    if not (spec.dir / "solution" / "solve.sh").is_file():
-        return CheckResult(task.id, error="no solution/solve.sh: nothing to check the tests against")
-    try:
-        async with environment.episode(task, logs / "oracle") as box:
-            await box.put_folder(spec.dir / "solution", "/solution")
-            env = {str(k): str(v) for k, v in spec.config.get("solution", {}).get("env", {}).items()}
-            code = await box.shell("bash /solution/solve.sh", spec.agent_timeout or 600.0, env, "agent/oracle.txt")
-            oracle = await box.verify(task)
-        async with environment.episode(task, logs / "noop") as box:
-            noop = await box.verify(task)
-    except (ContainerError, RewardError) as exc:
-        return CheckResult(task.id, error=str(exc))
-    except TimeoutError:
-        return CheckResult(task.id, error=f"the oracle did not finish in {spec.agent_timeout or 600.0:g} s")
-    result = CheckResult(task.id, sum(oracle.values()), sum(noop.values()))
-    result.ok = all(v == 1 for v in oracle.values()) and all(v == 0 for v in noop.values())
-    if not result.ok:
-        result.error = f"the oracle (solve.sh exited {code}) scored {oracle}, doing nothing scored {noop}"
-        if all(v == 1 for v in oracle.values()):
-            result.error += ": the tests cannot tell a solution from nothing"
-    return result
-
-
-async def check_tasks(
-    environment: ContainerEnvironment, tasks: list[Task], logs: Path, concurrency: int = 2
-) -> list[CheckResult]:
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(task: Task) -> CheckResult:
-        async with limit:
-            result = await check_task(environment, task, logs / task.id)
-        verdict = "ok" if result.ok else "NOT OK"
-        say(f"{task.id}: {verdict} (oracle {result.oracle_reward}, nothing {result.noop_reward})")
-        return result
-
-    try:
-        return list(await asyncio.gather(*(one(t) for t in tasks)))
-    finally:
-        environment.close()

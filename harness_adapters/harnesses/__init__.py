@@ -1,0 +1,22 @@
+"""Harnesses: what runs the agent of one episode, talking to the proxy under the episode's own
+session: a command (any CLI harness), a Python agent, an Agents SDK agent, a LangChain runnable.
+A harness runs where its environment puts it (a `Box`, for a container) and knows nothing of
+rewards or engines.
+"""
+
+from harness_adapters.harnesses.base import FROM_FILES, Adapter, Endpoint, Outcome, command_env, load_callable
+from harness_adapters.harnesses.command import CommandAdapter
+from harness_adapters.harnesses.python import AgentsSdkAdapter, LangChainAdapter, PythonAdapter
+
+__all__ = [
+    "FROM_FILES",
+    "Adapter",
+    "AgentsSdkAdapter",
+    "CommandAdapter",
+    "Endpoint",
+    "LangChainAdapter",
+    "Outcome",
+    "PythonAdapter",
+    "command_env",
+    "load_callable",
+]
