@@ -134,6 +134,10 @@ def test_make_test_installs_every_system_tool_a_test_asks_for_or_says_how(tmp_pa
 
     target = re.search(r"^system:\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
     assert target is not None and all(package in target.group(1) for package in SYSTEM_PACKAGES.values())
+    # ... and the README names each of them (it said three when make installed seven).
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    needs = re.search(r"`make test` also needs these Debian packages: (.*?)\. Run as root", readme)
+    assert needs is not None and sorted(re.findall(r"`([\w-]+)`", needs.group(1))) == sorted(SYSTEM_PACKAGES.values())
     (tmp_path / "id").write_text("#!/bin/sh\necho 1000\n")
     (tmp_path / "id").chmod(0o755)
     (tmp_path / "ls").symlink_to(shutil.which("ls") or "/bin/ls")
