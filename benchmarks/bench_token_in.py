@@ -38,7 +38,7 @@ from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder import CallRecord, Store
 from recorder.episodes import Sampling
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 # Each runs one session, named by the key given (its API key; a harness's run), and answers its
 # id (None: the key is the id).

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from recorder import CallRecord, Completion, SessionInfo, Store
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 T0 = datetime(2026, 1, 1)
 

@@ -49,7 +49,7 @@ import orjson
 
 from recorder.echo import echoes, norm
 from recorder.records import CallRecord, SessionInfo
-from recorder.trajectories import SessionReport, TrainingSequence, build_sequences
+from recorder.trajectories import SessionReport, assemble, skip_reason
 
 Edge = Literal["continue", "fork", "retry", "subagent", "compaction", "new"]
 Purpose = Literal["train", "aux"]
@@ -67,6 +67,7 @@ class Placement:
     reason: str | None  # why a `new` call is new; what links a subagent (the argument) or compaction (the summary)
     purpose: Purpose
     trained: bool  # train purpose, and not the untrained one of a retry pair
+    choice: int = 0  # which of its choices (n > 1) its sequence goes on with: the others are set aside
 
 
 def _text(content: Any) -> str:
@@ -184,10 +185,13 @@ def place(calls: list[CallRecord], policy: str | None = None) -> list[Placement]
     ordered = sorted(calls, key=lambda c: c.seq)
     earlier = _Earlier()
     links: dict[int, Link] = {}
+    joins: dict[int, int] = {}  # the call each continues (or forks from), as first linked
     same: dict[int, list[CallRecord]] = {}  # earlier calls of the same request and prompt
     for call in ordered:
         facts = _facts(call)
         links[call.seq] = _link(call, facts, earlier)
+        if links[call.seq][0] in ("continue", "fork"):
+            joins[call.seq] = links[call.seq][1]  # type: ignore[assignment]
         same[call.seq] = [c for c in earlier.by_request.get(facts.asked, []) if _same_prompt(c, call)]
         earlier.add(call, facts)
     continued = {parent for edge, parent, _ in links.values() if edge in ("continue", "fork")}
@@ -214,7 +218,14 @@ def place(calls: list[CallRecord], policy: str | None = None) -> list[Placement]
     # policy model itself by Claude Code 2.1.197; a last turn sent without tools has turns before).
     parents = {parent for edge, parent, _ in links.values() if edge != "retry"}
     with_tools = any(c.request.get("tools") for c in ordered)
+    # Chains: a call extends the chain of the call it continues when that call is the chain's
+    # last so far (a second call continuing the same answer forks), both are trained or both set
+    # aside, they ask for one model, and its prompt is that call's prompt, one of its choices and
+    # more (which one: the choice the chain goes on with).
+    by_seq = {c.seq: c for c in ordered}
     placed: dict[int, Placement] = {}
+    last: dict[int, int] = {}  # a chain's first call -> its last so far
+    went_on: dict[int, int] = {}  # a call -> the choice its chain goes on with
     for call in ordered:
         edge, parent, reason = links[call.seq]
         if parent is not None and parent in placed:  # a branch trains with what links it, whatever its model
@@ -224,9 +235,22 @@ def place(calls: list[CallRecord], policy: str | None = None) -> list[Placement]
             aside = with_tools and one_turn and not call.request.get("tools") and call.seq not in parents
             other = policy is not None and call.model != policy
             purpose = "aux" if aside or other else "train"
-        root = placed[parent].root if edge == "continue" and parent in placed else call.seq
         trained = purpose == "train" and call.seq not in dropped
+        root, up = call.seq, joins.get(call.seq)
+        if up is not None and up in placed and last.get(placed[up].root) == up:
+            choice = _joins(call, by_seq[up], placed[up].trained == trained)
+            if choice is not None:
+                root, went_on[up] = placed[up].root, choice
+                edge = "continue" if edge == "fork" else edge  # the answer's first continuation that counts
+        elif edge == "continue":
+            edge = "fork"  # the chain went on from its answer already
+        last[root] = call.seq
         placed[call.seq] = Placement(call.seq, root, parent, edge, reason, purpose, trained)
+    for seq, placement in placed.items():  # a chain's last call: the choice a later call echoes, else the first
+        call = by_seq[seq]
+        if seq not in went_on and len(call.completions) > 1:
+            went_on[seq] = went_on_with(call, [c for c in ordered if c.seq > seq]) or 0
+        placed[seq] = replace(placement, choice=went_on.get(seq, 0))
     return list(placed.values())
 
 
@@ -250,7 +274,7 @@ def _link(call: CallRecord, mine: _Facts, earlier: _Earlier) -> Link:
     # A prompt that is an earlier call's tokens and more: one sequence, as trajectories merge it.
     # Those calls are a chain, each extending the one before: the latest is the longest.
     if call.prompt_token_ids:
-        extended = next((c for c in reversed(earlier.calls) if c.completions and _extends(call, c)), None)
+        extended = next((c for c in reversed(earlier.calls) if _extended(call, c) is not None), None)
         if extended is not None:
             return "continue", extended.seq, None
     links: list[tuple[Edge, int, str]] = []
@@ -282,12 +306,31 @@ def _same_prompt(a: CallRecord, b: CallRecord) -> bool:
     return not a.prompt_token_ids or not b.prompt_token_ids or a.prompt_token_ids == b.prompt_token_ids
 
 
-def _extends(call: CallRecord, before: CallRecord) -> bool:
-    """Whether a call's prompt is an earlier call's prompt and answer, and more (its answer
-    compared first: the short test that fails for most pairs)."""
-    prompt, answer, ids = before.prompt_token_ids, before.completions[0].token_ids, call.prompt_token_ids
-    end = len(prompt) + len(answer)
-    return bool(prompt) and len(ids) > end and ids[len(prompt) : end] == answer and ids[: len(prompt)] == prompt
+def _extended(call: CallRecord, before: CallRecord) -> int | None:
+    """Which choice of an earlier call a call's prompt is that call's prompt and that choice's
+    sampled tokens, and more, if one is (each answer compared first: the short test that fails
+    for most pairs)."""
+    prompt, ids = before.prompt_token_ids, call.prompt_token_ids
+    if not prompt:
+        return None
+    for completion in before.completions:
+        answer, end = completion.token_ids, len(prompt) + len(completion.token_ids)
+        if len(ids) > end and ids[len(prompt) : end] == answer and ids[: len(prompt)] == prompt:
+            return completion.index
+    return None
+
+
+def _joins(call: CallRecord, before: CallRecord, alike: bool) -> int | None:
+    """The choice of `before` whose chain `call` extends, if it can: it has tokens to train (a
+    failed call never ends a chain: the harness's retry continues the answer before it), both
+    are trained or both set aside (`alike`), they ask for one model. The choice is the one
+    token-in continued, else the one its prompt extends, else the first."""
+    if not alike or skip_reason(call) is not None or call.request.get("model") != before.request.get("model"):
+        return None
+    continued = (call.thread or {}).get("continues") or {}
+    if call.token_in and continued.get("call") == before.call_id and before.call_id is not None:
+        return int(continued.get("choice") or 0)
+    return _extended(call, before) or 0
 
 
 @dataclass(frozen=True)
@@ -328,9 +371,10 @@ def edge_counts(placements: list[Placement]) -> dict[str, int]:
 @dataclass(frozen=True)
 class SessionGraph:
     """A session placed, and what is trained of it: the one place that decides it. `trained` is
-    built from the ids of the calls placed to be trained and nothing else; `aside` from the
-    others' (aux calls, the untrained one of a retry pair), for the exports and the viewer. Each
-    placement's `root` is the first call of the sequence that holds it."""
+    assembled from the chains of the calls placed to be trained (each placement's `root` and
+    `choice`) and nothing else; `aside` from the others' (aux calls, the untrained one of a
+    retry pair) and the choices of an n > 1 call that the episode did not go on with, for the
+    exports and the viewer."""
 
     placements: list[Placement]
     trained: SessionReport
@@ -342,47 +386,41 @@ class SessionGraph:
         return {p.seq for p in self.placements if p.trained}
 
 
+def _chains(calls: list[CallRecord], placements: list[Placement]) -> list[tuple[CallRecord, int, int]]:
+    by_seq = {c.seq: c for c in calls}
+    return [(by_seq[p.seq], p.root, p.choice) for p in placements]
+
+
 def build(
     calls: list[CallRecord],
     session: SessionInfo | None = None,
     call_rewards: dict[int, float] | None = None,
     merge: bool = True,
 ) -> SessionGraph:
-    """A session's graph and its sequences (`merge=False`: one sequence per call)."""
+    """A session's graph and its sequences, assembled from the placements' chains and choices
+    (`merge=False`: one sequence per call)."""
+    policy = session.policy_model if session else None
+    placements = place(calls, policy)
+    chains = list(zip(_chains(calls, placements), placements, strict=True))
+    trained, thrown = assemble([c for c, p in chains if p.trained], session, call_rewards, merge)
+    aside, also = assemble([c for c, p in chains if not p.trained], session, call_rewards, merge)
+    numbered = [replace(q, chain=len(trained.sequences) + i) for i, q in enumerate([*thrown, *aside.sequences, *also])]
+    return SessionGraph(placements, trained, replace(aside, sequences=numbered), policy)
+
+
+def build_sequences(
+    calls: list[CallRecord],
+    session: SessionInfo | None = None,
+    merge: bool = True,
+    call_rewards: dict[int, float] | None = None,
+) -> SessionReport:
+    """Every sequence of a session in one report, trained or set aside (aux calls, a superseded
+    retry, the choices not gone on with), in the order of their calls and choices: what `build` makes
+    of the calls, for a merge report of any list of calls."""
     placements = place(calls, session.policy_model if session else None)
-    keep = {p.seq for p in placements if p.trained}
-    trained = build_sequences([c for c in calls if c.seq in keep], session, merge, call_rewards)
-    aside = build_sequences([c for c in calls if c.seq not in keep], session, merge, call_rewards)
-    went_on = continued(trained.sequences, calls)  # the other choices of an n > 1 call are set aside
-    thrown = [q for q in trained.sequences if not any(q is k for k in went_on)]
-    trained = replace(trained, sequences=[replace(q, chain=i) for i, q in enumerate(went_on)])
-    numbered = [replace(q, chain=len(went_on) + i) for i, q in enumerate(thrown + aside.sequences)]  # one count
-    aside = replace(aside, sequences=numbered)
-    root: dict[int, int] = {}
-    for report in (trained, aside):
-        for q in report.sequences:
-            for span in q.spans:
-                root.setdefault(span.seq, q.spans[0].seq)  # an n > 1 call's other choices share its prefix
-    placements = [replace(p, root=root.get(p.seq, p.root)) for p in placements]
-    return SessionGraph(placements, trained, aside, session.policy_model if session else None)
-
-
-def continued(sequences: list[TrainingSequence], calls: list[CallRecord]) -> list[TrainingSequence]:
-    """The sequences of the choices the episode went on with. A call with several choices (n > 1)
-    forks its chain, and only the choice the episode went on with produced the outcome the
-    episode's reward is for: the one a later call continued token for token, or else the one a
-    later call echoes after the call's own messages (its chain broke there), or at the episode's
-    end the first. The other branches are dropped."""
-    chosen = {span.seq: span.choice for q in sequences for span in q.spans[:-1]}  # followed by a later call
-    by_seq = {c.seq: c for c in calls}
-    for q in sequences:
-        seq = q.spans[-1].seq
-        call = by_seq.get(seq)
-        if seq not in chosen and call is not None and len(call.completions) > 1:
-            echoed = went_on_with(call, [c for c in calls if c.seq > seq])
-            if echoed is not None:
-                chosen[seq] = echoed
-    return [q for q in sequences if all(span.choice == chosen.get(span.seq, 0) for span in q.spans)]
+    report, others = assemble(_chains(calls, placements), session, call_rewards, merge)
+    ordered = sorted([*report.sequences, *others], key=lambda q: [(span.seq, span.choice) for span in q.spans])
+    return replace(report, sequences=[replace(q, chain=i) for i, q in enumerate(ordered)])
 
 
 def went_on_with(call: CallRecord, later: list[CallRecord]) -> int | None:

@@ -1,13 +1,13 @@
-"""Training sequences rebuilt from a session's recorded calls: pure functions, no I/O.
+"""Training sequences assembled from a session's recorded calls, as the session graph chains
+them (recorder/graph.py decides which call extends which): pure functions, no I/O.
 
-Prefix merging on token ids (the default): a call whose prompt token ids start with an open
-chain's tokens (every earlier prompt and completion of that chain) extends it; the new prompt
-tokens (tool output, the next user turn, template glue) get loss mask 0, the sampled tokens
-mask 1. A call that extends no chain starts one, and the break is reported with its reason, so
-compaction, injected reminders, sub-agents, retries, a change of model and interleaved agents
-each become their own sequence instead of a wrong one. Nothing is re-tokenized: every id comes from the upstream.
-Failed calls, calls without tokens and calls whose logprobs do not match their tokens are
-skipped and reported.
+A call that extends a chain (its prompt token ids start with every earlier prompt and sampled
+token of the chain) adds its new prompt tokens (tool output, the next user turn, template glue)
+with loss mask 0 and its sampled tokens with mask 1. A call that starts a chain reports why it
+did not extend the one before (compaction, injected reminders, sub-agents, retries, a change of
+model, interleaved agents), so that each is its own sequence instead of a wrong one. Nothing is
+re-tokenized: every id comes from the upstream. Failed calls, calls without tokens and calls
+whose logprobs do not match their tokens are skipped and reported.
 """
 
 from __future__ import annotations
@@ -117,16 +117,17 @@ class _Chain:
         self.request = call.request
 
 
-def _skip_reason(call: CallRecord) -> str | None:
+def skip_reason(call: CallRecord, choice: int = 0) -> str | None:
+    """Why a call (its choice `choice`) cannot be in a training sequence, if it cannot."""
     if not call.ok:
         return f"failed call (HTTP {call.http_status}): {call.error}"
     if not call.prompt_token_ids or not call.completions:
         return "no token ids recorded (an upstream that does not return them?)"
-    first = call.completions[0]
-    if not first.token_ids:
+    sampled = next((c for c in call.completions if c.index == choice), call.completions[0])
+    if not sampled.token_ids:
         return "empty completion"
-    if len(first.logprobs) != len(first.token_ids):
-        return f"{len(first.logprobs)} logprobs for {len(first.token_ids)} tokens"
+    if len(sampled.logprobs) != len(sampled.token_ids):
+        return f"{len(sampled.logprobs)} logprobs for {len(sampled.token_ids)} tokens"
     return None
 
 
@@ -160,56 +161,55 @@ def _why_break(call: CallRecord, previous: _Chain, prompts: set[tuple[int, ...]]
     return Break(call.seq, "prefix diverges", k, previous.ids[window], prompt[window])
 
 
-def build_sequences(
-    calls: list[CallRecord],
+def assemble(
+    placed: list[tuple[CallRecord, int, int]],
     session: SessionInfo | None = None,
-    merge: bool = True,
     call_rewards: dict[int, float] | None = None,
-) -> SessionReport:
-    """A session's training sequences. `merge=False` gives one sequence per call. The session's
+    merge: bool = True,
+) -> tuple[SessionReport, list[TrainingSequence]]:
+    """The sequences of calls as the graph chained them: `placed` holds, in call order, each call,
+    the first call of the chain it belongs to (itself: it starts one) and which of its choices
+    the chain goes on with; a call's prompt extends its chain's tokens (the graph joined it only
+    so). Each other choice of an n > 1 call is a sequence of its own, the chain up to that call
+    and then that choice: the second list. `merge=False`: one sequence per call. The session's
     reward goes with every sequence; `call_rewards` (by call number) with their sampled spans."""
     call_rewards = call_rewards or {}
-    ordered = sorted(calls, key=lambda c: c.seq)
-    chains: list[_Chain] = []
+    chains: dict[int, _Chain] = {}  # by the chain's first call: its tokens so far
+    made: list[_Chain] = []
+    others: list[_Chain] = []
     breaks: list[Break] = []
     skipped: list[tuple[int, str]] = []
     prompts: set[tuple[int, ...]] = set()
     previous: _Chain | None = None
     unmerged = 0
-    for call in ordered:
-        reason = _skip_reason(call)
+    for call, root, choice in placed:
+        reason = skip_reason(call, choice)
         if reason is not None:
             skipped.append((call.seq, reason))
             continue
-        completion = call.completions[0]
-        unmerged += len(call.prompt_token_ids) + len(completion.token_ids)
-        extendable = [
-            c
-            for c in chains
-            if merge
-            and c.request.get("model") == call.request.get("model")
-            and call.prompt_token_ids[: len(c.ids)] == c.ids
-        ]
-        if extendable:
-            chain = max(extendable, key=lambda c: len(c.ids))
-        else:
-            if merge and previous is not None:
+        root = root if merge else call.seq
+        chain = chains.get(root)
+        if chain is None or call.prompt_token_ids[: len(chain.ids)] != chain.ids:
+            if previous is not None and merge:
                 breaks.append(_break(call, previous, prompts))
-            chain = _Chain()
-            chains.append(chain)
-        fork = chain.copy() if len(call.completions) > 1 else chain
-        chain.extend(call, completion, call_rewards.get(call.seq))
+            chain = chains[root] = _Chain()  # a root whose own call was skipped: the chain starts here
+            made.append(chain)
+        sampled = next(c for c in call.completions if c.index == choice)
+        before = chain.copy() if len(call.completions) > 1 else chain
+        chain.extend(call, sampled, call_rewards.get(call.seq))
+        unmerged += len(call.prompt_token_ids) + len(sampled.token_ids)
+        for other in call.completions:  # the other choices of the same prompt: each a fork of the chain
+            if other is not sampled and other.token_ids and len(other.logprobs) == len(other.token_ids):
+                alternative = before.copy()
+                alternative.extend(call, other, call_rewards.get(call.seq))
+                others.append(alternative)
+                unmerged += len(call.prompt_token_ids) + len(other.token_ids)
         prompts.add(tuple(call.prompt_token_ids))
         previous = chain
-        for extra in call.completions[1:]:  # other choices of the same prompt: each a fork of the chain
-            if extra.token_ids and len(extra.logprobs) == len(extra.token_ids):
-                alternative = fork.copy()
-                alternative.extend(call, extra, call_rewards.get(call.seq))
-                chains.append(alternative)
-                unmerged += len(call.prompt_token_ids) + len(extra.token_ids)
-    session_id = session.id if session else (ordered[0].session_id if ordered else "")
-    sequences = [
-        TrainingSequence(
+    session_id = session.id if session else (placed[0][0].session_id if placed else "")
+
+    def sequence(i: int, c: _Chain) -> TrainingSequence:
+        return TrainingSequence(
             session_id,
             i,
             c.ids,
@@ -222,6 +222,7 @@ def build_sequences(
             task_id=session.task_id if session else None,
             group_id=session.group_id if session else None,
         )
-        for i, c in enumerate(chains)
-    ]
-    return SessionReport(session_id, len(ordered), sequences, breaks, skipped, unmerged)
+
+    sequences = [sequence(i, c) for i, c in enumerate(made)]
+    report = SessionReport(session_id, len(placed), sequences, breaks, skipped, unmerged)
+    return report, [sequence(len(sequences) + i, c) for i, c in enumerate(others)]

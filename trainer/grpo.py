@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +30,7 @@ from trainer import checkpoint
 from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_logps
 from trainer.sample import Sample
 from trainer.sharding import average_gradients, checkpoint_layers, full_norm, shard
-from trainer.weights import CLIPPED, importance_ratio, kl_term, learner_settings, token_weights
+from trainer.weights import CLIPPED, UNBUILT, importance_ratio, kl_term, learner_settings, per_token_loss, token_weights
 
 T = TypeVar("T")
 
@@ -83,6 +82,12 @@ class Learner:
             num_generations=2,
             **settings,
         )
+        unbuilt = [f"{name} ({what})" for name, what in UNBUILT.items() if getattr(args, name, None)]
+        if unbuilt:
+            raise ValueError(
+                f"grpo: {', '.join(unbuilt)} is not built into rl-proxy's loss (trainer/weights.py writes it out "
+                "term by term, and TRL's compute_loss is not called): leave it unset"
+            )
         set_seed(args.seed)
         self.args = args
         self.micro_batch = micro_batch
@@ -115,6 +120,8 @@ class Learner:
         if self.trl.ref_model is not None and reference is not None and reference != model_path:
             base = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32 if cpu else "auto")
             self.trl.ref_model.load_state_dict(base.state_dict())
+        if self.trl.aux_loss_enabled:
+            raise ValueError("a mixture-of-experts router's auxiliary loss is not built into rl-proxy's loss")
         accelerator = self.trl.accelerator
         # Several processes (accelerate launch, torchrun): every rank loads the same weights (and
         # seeds its adapters alike); the gradients are averaged once a step (replicate), or the
@@ -132,14 +139,13 @@ class Learner:
         self.model = self.trl.model
         self.device = accelerator.device
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged"), 0.0)  # a step's, see `step`
-        self._computed: list[Any] = []  # the policy's logprobs of the micro-batch in `loss`
-        self._live: Any = None  # the last of them, with their graph
+        # A step's sums over its trained tokens, for its metrics (`step`).
+        self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged", "entropy", "clipped", "kl"), 0.0)
+        self._seen: Any = None  # the policy's logprobs of the last micro-batch, for the views
         self.views: list[LearnerView] = []  # what the last step saw of a few of its sequences
         # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
         # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
         self.shared_prefix = True
-        self.trl._get_per_token_logps_and_entropies = self.logps
 
     def row_weights(self, part: list[Sample], step: list[Sample] | None = None) -> Any:
         """Each row's token weight (`token_weights`) in a step of `step` (default: `part`)."""
@@ -198,14 +204,12 @@ class Learner:
         import torch
 
         trl, args = self.trl, self.args
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        keep = batch["completion_ids"].size(1)
+        given = self._model_inputs(batch)
         if not args.vllm_importance_sampling_correction:
             batch["old_per_token_logps"] = batch["sampling_per_token_logps"]
         else:
             with torch.no_grad():
-                old, _, _ = trl._get_per_token_logps_and_entropies(self.model, ids, attention, keep, self.micro_batch)
+                old, _ = self.logps(self.model, *given)
             batch["old_per_token_logps"] = old
             diff, ratio = importance_ratio(old, batch["sampling_per_token_logps"], mask, args)
             batch["importance_sampling_ratio"] = ratio
@@ -213,7 +217,7 @@ class Learner:
             judged = (mask if diff.size(1) > 1 else mask.sum(-1, keepdim=True)) > 0
             self._sums["capped"] += float(((ratio != torch.exp(diff)) & judged).sum())
             self._sums["judged"] += float(judged.sum())
-        if trl.beta != 0.0:  # the reference: TRL's frozen copy of the starting model, or the base under LoRA
+        if args.beta != 0.0:  # the reference: TRL's frozen copy of the starting model, or the base under LoRA
             with torch.no_grad(), contextlib.ExitStack() as scope:
                 reference = trl.ref_model
                 if self.lora:
@@ -221,78 +225,59 @@ class Learner:
 
                     reference = self.model
                     scope.enter_context(use_adapter(trl.accelerator.unwrap_model(self.model), adapter_name=None))
-                ref, _, _ = trl._get_per_token_logps_and_entropies(reference, ids, attention, keep, self.micro_batch)
+                ref, _ = self.logps(reference, *given)
             batch["ref_per_token_logps"] = ref
         return batch
 
     def loss(self, batch: dict[str, Any], weights: Any) -> Any:
         """The sum over a micro-batch's trained tokens of `weights` (a row's token weight:
-        trainer/weights.py, which says how TRL's own averages are undone) x the per-token loss of
-        the run's loss_type, its KL term included. On the way, how far the trainer's logprobs of
-        the sampled tokens are from the recorded behaviour ones: summed into `_sums`."""
-        import torch
-
-        trl = self.trl
-        trl.use_vllm = self.args.vllm_importance_sampling_correction  # the samples come from vLLM
-        trl.current_gradient_accumulation_steps = 1  # the weights say what a micro-batch weighs
-        trl.args.steps_per_generation = 1
+        trainer/weights.py) x the per-token loss of the run's loss_type, its KL term included,
+        written out in trainer/weights.py (TRL's trainer only read). On the way, how far the
+        trainer's logprobs of the sampled tokens are from the recorded behaviour ones, their
+        entropy, the clipped tokens and the KL: summed into `_sums` for the step's metrics."""
+        logps, entropies = self.logps(self.model, *self._model_inputs(batch), compute_entropy=True)
+        self._seen = logps.detach()
         mask = batch["completion_mask"] * batch["tool_mask"]
-        weights = weights.to(self.device)
-        scale = weights * mask.sum(-1).clamp(min=1.0) * len(weights) if trl.loss_type == "sapo" else weights
-        weighted = {
-            **batch,
-            "advantages": batch["advantages"] * scale,
-            "num_items_in_batch": torch.tensor(float(self.world)),  # TRL divides by it over the processes
-        }
-        self._computed.clear()
-        loss_type, beta = trl.loss_type, trl.beta
-        trl.loss_type, trl.beta = ("dapo" if loss_type in CLIPPED else loss_type), 0.0
-        try:
-            loss = trl.compute_loss(self.model, weighted)
-        finally:
-            trl.loss_type, trl.beta = loss_type, beta
-        if beta:
-            weighted_kl, shown = kl_term(self._live, batch, mask, weights, self.args)
-            trl._metrics["train"]["kl"].append(float(trl.accelerator.gather(shown).nanmean()))
-            loss = loss + beta * weighted_kl
-        gap = ((self._computed[0] - batch["sampling_per_token_logps"]).abs() * mask).nan_to_num(0.0)
+        weights = weights.to(self.device)[:, None]
+        per_token, clipped = per_token_loss(self.trl, logps, entropies, batch, mask)
+        loss = (per_token * mask * weights).sum()
+        if self.args.beta:
+            kl = kl_term(logps, batch, mask, self.args)
+            loss = loss + self.args.beta * (kl * mask * weights).sum()
+            self._sums["kl"] += float((kl.detach() * mask).sum())
+        if clipped is not None:
+            self._sums["clipped"] += float((clipped.expand_as(mask) * mask).sum())
+        self._sums["entropy"] += float((entropies.detach() * mask).sum())
+        gap = ((self._seen - batch["sampling_per_token_logps"]).abs() * mask).nan_to_num(0.0)
         self._sums["gap"] += float(gap.sum())
         self._sums["tokens"] += float(mask.sum())
         return loss
 
+    @staticmethod
+    def _model_inputs(batch: dict[str, Any]) -> tuple[Any, Any, int]:
+        """(input ids, attention mask, completion columns) of a TRL batch."""
+        import torch
+
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        return ids, attention, batch["completion_ids"].size(1)
+
     def logps(
-        self,
-        model: Any,
-        input_ids: Any,
-        attention_mask: Any,
-        logits_to_keep: int,
-        batch_size: int | None = None,
-        compute_entropy: bool = False,
-        compute_aux_loss: bool = False,
-        **multimodal: Any,
-    ) -> tuple[Any, Any, Any]:
-        """TRL's `_get_per_token_logps_and_entropies` (it stands in for it on the TRL instance),
-        with the prompt that several rows share run once (`shared_prefix`); the policy's
-        logprobs are kept for the step's off-policy gap."""
+        self, model: Any, input_ids: Any, attention_mask: Any, keep: int, compute_entropy: bool = False
+    ) -> tuple[Any, Any]:
+        """(per-token logprobs, entropies or None) of the last `keep` columns: with the prompt
+        that several rows share run once (`shared_prefix_logps`), else TRL's own padded batch
+        (`_get_per_token_logps_and_entropies`, in micro-batches of `micro_batch` rows)."""
         from trl import GRPOTrainer
 
-        plain = (
-            not self.shared_prefix
-            or not prompt_cache_fits(model, self.trl.accelerator)  # cheap: the config, an empty cache
-            or compute_aux_loss
-            or any(v is not None for v in multimodal.values())
-        )
-        given = (model, input_ids, attention_mask, logits_to_keep)
-        if plain:
-            out = GRPOTrainer._get_per_token_logps_and_entropies(
-                self.trl, *given, batch_size, compute_entropy, compute_aux_loss, **multimodal
+        if self.shared_prefix and prompt_cache_fits(model, self.trl.accelerator):  # cheap: the config, an empty cache
+            return shared_prefix_logps(
+                model, input_ids, attention_mask, keep, self.trl.accelerator, self.micro_batch, compute_entropy
             )
-        else:
-            out = (*shared_prefix_logps(*given, self.trl.accelerator, batch_size, compute_entropy), None)
-        if model is self.model:
-            self._computed.append(out[0].detach())
-            self._live = out[0]  # the loss's own KL term needs it with its graph
-        return out
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            self.trl, model, input_ids, attention_mask, keep, self.micro_batch, compute_entropy
+        )
+        return logps, entropies
 
     def part_losses(self, samples: list[Sample]) -> Iterator[Any]:
         """The loss of each micro-batch of this rank's shard of a step: the sum of its trained
@@ -311,16 +296,13 @@ class Learner:
         """The warm start's loss (rejection-sampling fine-tuning): the negative log-likelihood of
         the recorded sampled tokens (the loss mask, as in GRPO) at the sampling temperature, a mean
         over the batch's tokens. Not GRPO with advantage 1: that stops pulling once ratios clip."""
-        import torch
 
         parts, _, num_items = self._parts(samples)
         advantages = {id(s.sequence): s.advantage for s in samples}  # for the views
         for part in parts:
             batch = self.inputs(part, num_items, terms=False)
-            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            self._computed.clear()
-            logps, _, _ = self.logps(self.model, ids, attention, batch["completion_ids"].size(1), self.micro_batch)
+            logps, _ = self.logps(self.model, *self._model_inputs(batch))
+            self._seen = logps.detach()
             mask = batch["completion_mask"] * batch["tool_mask"]
             self._sums["gap"] += float(((logps.detach() - batch["sampling_per_token_logps"]).abs() * mask).sum())
             self._sums["tokens"] += float(mask.sum())
@@ -348,7 +330,7 @@ class Learner:
         if self.rank != 0 or len(self.views) >= VIEWS_PER_STEP:
             return
         mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
-        for sample, logps, keep in zip(part, self._computed[0], mask, strict=False):
+        for sample, logps, keep in zip(part, self._seen, mask, strict=False):
             if not sample.filler and len(self.views) < VIEWS_PER_STEP:
                 trained = logps[keep].float().tolist()
                 seq = sample.sequence
@@ -400,7 +382,6 @@ class Learner:
 
         trl = self.trl
         self.model.train()
-        trl._metrics["train"].clear()
         total = 0.0
         self._sums = dict.fromkeys(self._sums, 0.0)
         self.views = []
@@ -421,7 +402,12 @@ class Learner:
         trl.optimizer.step()
         trl.lr_scheduler.step()
         trl.optimizer.zero_grad()
-        metrics = {k: statistics.fmean(v) for k, v in trl._metrics["train"].items() if v}
+        sums, tokens = self._sums, max(self._sums["tokens"], 1.0)
+        metrics = {"entropy": sums["entropy"] / tokens} if not supervised else {}
+        if not supervised and self.args.loss_type in ("cispo", *CLIPPED):  # the tokens whose ratio was clipped
+            metrics["clip_ratio/region_mean"] = sums["clipped"] / tokens
+        if not supervised and self.args.beta:
+            metrics["kl"] = sums["kl"] / tokens
         release_memory()
         return {
             **metrics,

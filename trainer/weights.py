@@ -1,15 +1,15 @@
-"""A step's loss as one explicit weighted sum, and the terms the learner adds to TRL's.
+"""A step's loss as one explicit weighted sum, written here term by term.
 
-The loss of a step is the sum over its trained tokens of w(t) x TRL's per-token loss for the
-run's `loss_type` (`token_weights` gives w). TRL computes the per-token policy loss and then
-averages it in a way of its own per loss type; `Learner.loss` undoes that average, so that the
-weights are the whole normalization. Every type's policy loss is linear in the advantage (a
-positive scale keeps each clip and sign test as it was), so a row's weight goes in with its
-advantage: the clipped-ratio types are computed as dapo (a token sum over `num_items_in_batch`
-per process, made 1), cispo and vespo sum alike, and sapo's mean of row means is undone by each
-row's token count and the row count. The KL term is not linear in the advantage: TRL runs
-without it (beta 0) and `kl_term` adds it, weighted the same. tests/trainer/test_grpo_loss.py
-checks every type against the formula, so a TRL upgrade that changes its averages fails there.
+The loss of a step is the sum over its trained tokens of w(t) x the per-token loss of the run's
+`loss_type` (`token_weights` gives w), plus, with beta, w(t) x beta x the KL to the reference
+(`kl_term`). The per-token loss is TRL 1.16's (`GRPOTrainer._compute_loss`, before it averages):
+`per_token_loss` writes it out, with TRL's own functions for the parts TRL exposes (the
+off-policy sequence mask, VESPO's gamma weights, the high-entropy mask), and never calls TRL's
+`compute_loss` or sets an attribute of TRL's trainer: TRL averages each type its own way, and
+undoing that by setting its attributes would break silently when TRL reads one more.
+tests/trainer/test_grpo_loss.py checks every type against TRL's own `compute_loss` on single
+rows and against the formula written out, so a TRL upgrade that changes its per-token loss fails
+there.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rl_proxy.trainer")
 
-# The loss types whose per-token loss is TRL's clipped ratio (they differ only in how they average
-# it): TRL computes it under "dapo", whose sum the weights below make explicit.
+# The loss types whose per-token loss is the clipped ratio (they differ only in how TRL averages it,
+# which the token weights replace).
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# What TRL's compute_loss adds beyond the per-token loss, which the learner does not build.
+UNBUILT = {
+    "entropy_coef": "an entropy bonus",
+    "use_adaptive_entropy": "an adaptive entropy bonus",
+}
 
 
 def token_weights(samples: list[Sample], loss_type: str, max_completion_length: int | None) -> dict[int, float]:
@@ -102,10 +107,9 @@ def importance_ratio(old: Any, behaviour: Any, mask: Any, args: Any) -> tuple[An
     return diff, ratio.masked_fill(outside, 0.0)
 
 
-def kl_term(logps: Any, batch: dict[str, Any], mask: Any, weights: Any, args: Any) -> tuple[Any, Any]:
-    """(the weighted sum of the per-token KL to the reference, its token mean for the metrics):
-    TRL's estimator (k3), with its importance-sampling correction where `use_bias_correction_kl`
-    asks for it."""
+def kl_term(logps: Any, batch: dict[str, Any], mask: Any, args: Any) -> Any:
+    """The per-token KL to the reference: TRL's estimator (k3), with its importance-sampling
+    correction where `use_bias_correction_kl` asks for it."""
     import torch
 
     diff = batch["ref_per_token_logps"] - logps
@@ -115,5 +119,66 @@ def kl_term(logps: Any, batch: dict[str, Any], mask: Any, weights: Any, args: An
         if args.importance_sampling_level == "sequence":
             log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
         kl = kl * torch.exp(log_ratio)
-    shown = (kl.detach() * mask).sum() / mask.sum().clamp(min=1.0)
-    return (kl * mask * weights[:, None]).sum(), shown
+    return kl
+
+
+def per_token_loss(trl: Any, logps: Any, entropies: Any, batch: dict[str, Any], mask: Any) -> tuple[Any, Any]:
+    """(the per-token policy loss of `args.loss_type`, (B, T) or (B, 1) at sequence level; the
+    clipped tokens, for the metrics, or None), as TRL 1.16's `_compute_loss` makes it before its
+    average: the importance ratio to the old policy (per token or per sequence), the type's
+    clipped or soft objective, then TRL's off-policy mask, its high-entropy mask and vLLM's
+    importance-sampling correction where the run asks for them. `trl` is TRL's GRPOTrainer:
+    only read (its `args`, and its high-entropy mask, which takes the quantile over every
+    process's tokens)."""
+    import torch
+    from trl import GRPOTrainer
+
+    args = trl.args
+    advantages = batch["advantages"][:, None]
+    log_ratio = logps - batch["old_per_token_logps"]
+    if args.importance_sampling_level == "sequence":
+        log_ratio_used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    else:
+        log_ratio_used = log_ratio
+    ratio = torch.exp(log_ratio_used)
+    low, high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    clipped = None
+    if args.loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=high).detach() * advantages * logps
+        clipped = (ratio > high) & (advantages > 0)
+    elif args.loss_type in CLIPPED:
+        bounded = torch.clamp(ratio, 1 - low, 1 + high)
+        if args.delta is not None:  # two-sided clipping
+            ratio = torch.clamp(ratio, max=args.delta)
+        loss = -torch.min(ratio * advantages, bounded * advantages)
+        clipped = ((ratio < 1 - low) & (advantages < 0)) | ((ratio > 1 + high) & (advantages > 0))
+    elif args.loss_type == "sapo":
+        temperature = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+        loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+    elif args.loss_type == "vespo":
+        phi = GRPOTrainer.get_gamma_weights(
+            advantages=advantages,
+            log_ratio_per_token=log_ratio,
+            mask=mask,
+            importance_sampling_ratio=batch.get("importance_sampling_ratio"),
+            k_pos=args.vespo_k_pos,
+            lambda_pos=args.vespo_lambda_pos,
+            k_neg=args.vespo_k_neg,
+            lambda_neg=args.vespo_lambda_neg,
+        )
+        loss = -phi * advantages * logps
+    else:
+        raise ValueError(f"unknown loss_type {args.loss_type!r}")
+    if args.off_policy_mask_threshold is not None:
+        loss = loss * GRPOTrainer.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=logps,
+            sampling_per_token_logps=batch["sampling_per_token_logps"],
+            mask=mask,
+            off_policy_threshold=args.off_policy_mask_threshold,
+        )
+    if args.top_entropy_quantile < 1.0:
+        loss = loss * trl.get_high_entropy_mask(entropies, mask, 1 - args.top_entropy_quantile)
+    if args.vllm_importance_sampling_correction and args.loss_type != "vespo":
+        loss = loss * batch["importance_sampling_ratio"]
+    return loss, clipped

@@ -15,8 +15,7 @@ from benchmarks.claude_code_graph import TASK, wrong_links
 from benchmarks.support.sessions import HARNESS_BIN, claude_code_branching
 from benchmarks.support.stack import Upstream
 from proxy.server import AppThread
-from recorder.graph import place
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences, place
 from trainer.viewer import create_app as viewer_app
 
 # Prompts of 4,500 to 7,600 tokens on 2 CPU cores, and the first test also waits for the shared

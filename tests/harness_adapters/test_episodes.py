@@ -34,7 +34,7 @@ from harness_adapters.rewards import CommandReward, HarnessReward, JudgeReward, 
 from harness_adapters.runner import EpisodeResult, EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
 from proxy.server import AppThread
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 from trainer.cli import app
 
 HERE = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.support.sessions import FORCED, harness_session, masked_in, sampled
 from benchmarks.support.stack import Upstream
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 # ~5,800 (Claude Code) and ~4,700-token (Codex) prompts on 2 CPU cores, up to 3 episodes; the
 # first test may also wait for the shared vLLM to start.

@@ -17,7 +17,7 @@ from benchmarks.support.stub_upstream import COMPLETION, MODEL, stub_app
 from proxy.server import AppThread
 from proxy.threads import NO_RENDERING
 from proxy.vllm import free_port
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

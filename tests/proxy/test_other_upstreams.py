@@ -11,7 +11,7 @@ from openai import OpenAI
 
 from benchmarks.support.stub_upstream import MODEL, stub_app
 from proxy.server import AppThread
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 ASK = [{"role": "user", "content": "Hi"}]
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from benchmarks.support.stub_upstream import COMPLETION, MODEL, render
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 
 def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(make_proxy: Any, stub: str) -> None:

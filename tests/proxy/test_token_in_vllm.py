@@ -25,7 +25,7 @@ from benchmarks.support.sessions import (
 from benchmarks.support.stack import Upstream, direct_chat, process, read_store
 from proxy.vllm import free_port
 from recorder import CallRecord, Store
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 pytestmark = pytest.mark.vllm
 

@@ -90,9 +90,11 @@ def test_a_session_with_a_subagent_a_side_call_a_retry_and_a_compaction() -> Non
         2: ("new", None, 2),
         3: ("subagent", 1, 3),
         4: ("continue", 3, 3),
-        5: ("continue", 1, 1),
-        6: ("retry", 5, 6),
-        7: ("continue", 6, 6),
+        # The re-send takes the original's place in call 1's sequence; the original, not trained,
+        # is a sequence of its own (the graph decides the chains: build assembles them as placed).
+        5: ("continue", 1, 5),
+        6: ("retry", 5, 1),
+        7: ("continue", 6, 1),
         8: ("compaction", 7, 8),
         9: ("new", None, 9),
     }

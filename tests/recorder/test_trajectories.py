@@ -7,7 +7,8 @@ from datetime import datetime
 import pytest
 
 from recorder import CallRecord, Completion, SessionInfo
-from recorder.trajectories import NEUTRAL_LOGPROB, build_sequences
+from recorder.graph import build_sequences
+from recorder.trajectories import NEUTRAL_LOGPROB
 
 T0 = datetime(2026, 1, 1)
 SYSTEM = {"role": "system", "content": "be brief"}

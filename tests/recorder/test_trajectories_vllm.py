@@ -10,7 +10,7 @@ from openai import OpenAI
 from benchmarks.support.samples import ADD_TOOL, FORCE_ADD
 from benchmarks.support.stack import RunningProxy, Upstream
 from recorder import CallRecord
-from recorder.trajectories import build_sequences
+from recorder.graph import build_sequences
 
 pytestmark = pytest.mark.vllm
 

@@ -115,6 +115,7 @@ def test_loss_equals_trl_and_the_formula(
     assert type(learner.trl) is GRPOTrainer
     total_tokens = sum(s.sequence.sampled_tokens for s in samples)
     learner.shared_prefix = False  # TRL's own logprobs from here on
+    learner.trl.use_vllm = mode is not None  # TRL applies the correction to samples it got from vLLM only
     singles = []
     for sample in samples:
         single = learner.inputs([sample], num_items=total_tokens)
@@ -126,6 +127,36 @@ def test_loss_equals_trl_and_the_formula(
     reference = _reference(learner.model, samples, grpo)
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
     assert ours.requires_grad and float(ours.detach()) != 0.0
+
+
+def test_the_loss_never_calls_trls_compute_loss_nor_sets_its_attributes(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The learner wrote its loss around TRL's compute_loss by setting TRL's attributes to neutral
+    values (loss type, beta, accumulation steps, use_vllm); a TRL that read one more would have
+    changed the loss silently. Now it calls neither compute_loss nor _compute_loss, and a step
+    with the KL term, the vLLM correction and a clipped type leaves every attribute of TRL's
+    trainer and of its config as they were (their loss is checked against TRL's above)."""
+    from trl import GRPOTrainer
+
+    def refused(*_: Any, **__: Any) -> None:
+        raise AssertionError("the learner called TRL's compute_loss")
+
+    monkeypatch.setattr(GRPOTrainer, "compute_loss", refused)
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", refused)
+    grpo = {**_config("dapo", "token", "token_truncate"), "beta": 0.1}
+    learner = Learner(str(tiny_model), tmp_path, grpo, total_steps=2, micro_batch=2)
+
+    def attributes() -> dict[str, Any]:
+        plain = (bool, int, float, str, type(None))
+        found = {f"trl.{k}": v for k, v in vars(learner.trl).items() if isinstance(v, plain)}
+        return found | {f"args.{k}": v for k, v in vars(learner.trl.args).items() if isinstance(v, plain)}
+
+    before = attributes()
+    assert {"trl.loss_type", "trl.beta", "trl.use_vllm", "args.steps_per_generation"} <= set(before)
+    metrics = learner.step(_batch())
+    assert attributes() == before
+    assert metrics["kl"] >= 0 and 0 <= metrics["clip_ratio/region_mean"] <= 1 and metrics["entropy"] > 0
 
 
 def test_truncated_completions_masked(tiny_model: Path, tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ from benchmarks.support.stack import RunningProxy, Upstream
 from proxy.server import AppThread
 from recorder import CallRecord, Completion, SessionInfo, Store
 from recorder.episodes import EpisodeOutcome
+from recorder.graph import build_sequences
 from recorder.records import LearnerView
-from recorder.trajectories import build_sequences
 from trainer.viewer import PAGE, create_app, token_decoder
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples"
