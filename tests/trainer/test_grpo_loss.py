@@ -97,6 +97,14 @@ def _reference(model: Any, samples: list[Sample], grpo: dict[str, Any]) -> Any:
     return torch.stack(per_sequence).sum() / torch.stack(weights).sum()
 
 
+def _as_trl_trains(learner: Learner, vllm: bool) -> None:
+    """TRL's own trainer made ready to compute a loss as its training loop would, with one
+    accumulation step, on samples from vLLM where `vllm` (it corrects those only): the reference
+    the learner's loss is checked against. The learner itself sets none of these."""
+    learner.trl.current_gradient_accumulation_steps = 1
+    learner.trl.use_vllm = vllm
+
+
 @pytest.mark.parametrize(("loss_type", "level", "mode"), CASES)
 def test_loss_equals_trl_and_the_formula(
     tiny_model: Path, tmp_path: Path, loss_type: str, level: str, mode: str | None
@@ -115,7 +123,7 @@ def test_loss_equals_trl_and_the_formula(
     assert type(learner.trl) is GRPOTrainer
     total_tokens = sum(s.sequence.sampled_tokens for s in samples)
     learner.shared_prefix = False  # TRL's own logprobs from here on
-    learner.trl.use_vllm = mode is not None  # TRL applies the correction to samples it got from vLLM only
+    _as_trl_trains(learner, vllm=mode is not None)
     singles = []
     for sample in samples:
         single = learner.inputs([sample], num_items=total_tokens)
@@ -640,6 +648,7 @@ def test_a_steps_loss_is_the_weighted_sum_of_each_rows_own_trl_loss(
     ours = sum(learner.part_losses(samples))
     weights = token_weights(samples, loss_type, 64)
     learner.shared_prefix = False
+    _as_trl_trains(learner, vllm=False)
     by_hand = 0.0
     for sample in samples:
         single = learner.trl.compute_loss(learner.model, learner.inputs([sample]))
