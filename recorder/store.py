@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -366,7 +367,18 @@ def _broken_connection(context: ExceptionContext) -> None:
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    # Turning a new file to WAL takes its lock, and SQLite answers "database is locked" at once
+    # rather than waiting for it: stores opened together on a new database failed there (the
+    # replicas' test, under load, about once in a hundred).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            break
+        except Exception as exc:  # the driver's OperationalError (sqlite3's, or aiosqlite's adapter's)
+            if "database is locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
     cursor.execute("PRAGMA synchronous=FULL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
