@@ -220,8 +220,8 @@ def place(calls: list[CallRecord], policy: str | None = None) -> list[Placement]
     with_tools = any(c.request.get("tools") for c in ordered)
     # Chains: a call extends the chain of the call it continues when that call is the chain's
     # last so far (a second call continuing the same answer forks), both are trained or both set
-    # aside, they ask for one model, and its prompt is that call's prompt, one of its choices and
-    # more (which one: the choice the chain goes on with).
+    # aside, and they ask for one model (`_joins`); the choice it continues is the one the chain
+    # goes on with.
     by_seq = {c.seq: c for c in ordered}
     placed: dict[int, Placement] = {}
     last: dict[int, int] = {}  # a chain's first call -> its last so far

@@ -194,7 +194,7 @@ def assemble(
                 breaks.append(_break(call, previous, prompts))
             chain = chains[root] = _Chain()  # a root whose own call was skipped: the chain starts here
             made.append(chain)
-        sampled = next(c for c in call.completions if c.index == choice)
+        sampled = next((c for c in call.completions if c.index == choice), call.completions[0])
         before = chain.copy() if len(call.completions) > 1 else chain
         chain.extend(call, sampled, call_rewards.get(call.seq))
         unmerged += len(call.prompt_token_ids) + len(sampled.token_ids)
