@@ -331,6 +331,36 @@ def test_what_is_trained_is_what_the_sequences_hold() -> None:
     assert {p.seq: p.root for p in graph.placements} == roots
 
 
+def test_the_sequences_are_the_chains_the_graph_placed() -> None:
+    """Issue 46: `build` assembles the sequences from the placements' chains and choices; nothing
+    finds them again by token prefix. Call 1 samples two choices and call 2 continues the second
+    (token-in); call 3, continuing call 2, fails upstream (no answer, no ids) and the harness
+    sends it again as call 4. Call 1's sequence goes on with its second choice, through call 2
+    and the re-send: the failed call ends no chain. The first choice is a sequence set aside."""
+    one = node(1, ["a"])
+    one = replace(one, completions=[Completion(0, [11], [-0.5], "stop"), Completion(1, [12], [-0.7], "stop")])
+    two = node(2, ["a", "b", "c"], continues=1)
+    two = replace(two, thread={**two.thread, "continues": {"call": "c1", "choice": 1}}, prompt_token_ids=[97, 12, 5])
+    failed = replace(
+        node(3, ["a", "b", "c", "d", "e"], continues=2), ok=False, http_status=500, error="down",
+        prompt_token_ids=[], completions=[],
+    )  # fmt: skip
+    again = replace(node(4, ["a", "b", "c", "d", "e"], continues=2), prompt_token_ids=[97, 12, 5, 2, 6])
+    graph = build([one, two, failed, again], SESSION)
+    placed = {p.seq: (p.edge, p.parent, p.root, p.choice, p.trained) for p in graph.placements}
+    assert placed == {
+        1: ("new", None, 1, 1, True),
+        2: ("continue", 1, 1, 0, True),
+        3: ("continue", 2, 3, 0, False),  # the failed original of a re-send: its own, untrained
+        4: ("retry", 3, 1, 0, True),  # the re-send takes its place in call 1's chain
+    }
+    [trained] = graph.trained.sequences
+    assert [(span.seq, span.choice) for span in trained.spans] == [(1, 1), (2, 0), (4, 0)]
+    assert trained.input_ids == [97, 12, 5, 2, 6, 4] and trained.loss_mask == [0, 1, 0, 1, 0, 1]
+    assert [[(span.seq, span.choice) for span in q.spans] for q in graph.aside.sequences] == [[(1, 0)]]
+    assert graph.aside.skipped == [(3, "failed call (HTTP 500): down")]
+
+
 def test_a_subagent_whose_prompt_carries_its_parents_answer_is_a_subagent() -> None:
     """Defect 7 of issue 39: the Agent call's prompt quotes the answer text of the same call, so
     both the subagent and the compaction rule point at call 1; it was "ambiguous", placed new
