@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
     ("config", "extra", "env", "timeout"),
     [
         ("train-claude.yaml", ("--max-turns", "3"), {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "384"}, 240),
-        ("train-codex.yaml", (), {}, 120),  # under forced tool calls it never stops by itself
+        ("train-codex.yaml", (), {}, 60),  # under forced tool calls it never stops: its timeout ends it
     ],
 )
 @pytest.mark.usefixtures("bwrap")  # its commands run in the shell example's sandbox

@@ -81,15 +81,15 @@ def _two_processes(
 @pytest.mark.parametrize(
     ("grpo", "micro_batch", "lora", "rows", "launcher", "sharding"),
     [
-        ({"loss_type": "dapo"}, 3, None, 8, "torchrun", "replicate"),  # 8 rows in 4 passes, 2 per rank
         ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8, "torchrun", "replicate"),  # one pass of 4 rows per rank
         ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8, "torchrun", "replicate"),
         ({"loss_type": "dr_grpo"}, 3, None, 7, "torchrun", "replicate"),  # 1, 2, 2, 2 rows: rank 0's 1 gets a filler
         ({"loss_type": "dapo"}, 8, None, 1, "torchrun", "replicate"),  # one row, two ranks: a pass of fillers
-        ({"loss_type": "dapo"}, 3, None, 8, "accelerate", "replicate"),  # accelerate launch, as docs/deploying.md
-        ({"loss_type": "dapo"}, 3, None, 8, "torchrun", "fsdp2"),  # sharded; the shared-prompt path through it
+        # 8 rows in 4 passes, 2 per rank, by accelerate launch as docs/deploying.md says
+        ({"loss_type": "dapo"}, 3, None, 8, "accelerate", "replicate"),
         ({"loss_type": "grpo", "beta": 0.1}, 8, None, 7, "torchrun", "fsdp2"),  # with a sharded reference model
-        ({"loss_type": "dapo", "gradient_checkpointing": True}, 3, None, 8, "torchrun", "fsdp2"),  # checkpointed layers
+        # sharded, the shared-prompt path through it, with checkpointed layers
+        ({"loss_type": "dapo", "gradient_checkpointing": True}, 3, None, 8, "torchrun", "fsdp2"),
     ],
 )
 def test_one_step_on_two_processes_equals_one_process(
@@ -163,12 +163,14 @@ def test_a_rank_that_dies_stops_the_run_with_its_error(tiny_model: Path, tmp_pat
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
-def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tmp_path: Path, sharding: str) -> None:
-    """`rl-proxy train --processes 2`: rank 0 collects a group through the proxy and the shared
-    vLLM, both ranks step, rank 0 swaps version 1 in and writes the run's files; sharded, the
-    weights it swaps in and checkpoints are gathered from both ranks (a whole model.safetensors),
-    and a resumed run shards the checkpoint and its optimizer state again."""
+def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tmp_path: Path) -> None:
+    """`rl-proxy train --processes 2` sharded (FSDP2): rank 0 collects a group through the proxy
+    and the shared vLLM, both ranks step, rank 0 swaps version 1 in and writes the run's files;
+    the weights it swaps in and checkpoints are gathered from both ranks (a whole
+    model.safetensors), and a resumed run shards the checkpoint and its optimizer state again.
+    Data parallel (replicate) takes the same path but for the sharding, whose step the tests
+    above check against one process."""
+    sharding = "fsdp2"
     example = ROOT / "harness_adapters" / "examples" / "arithmetic"
     config = yaml.safe_load((example / "train.yaml").read_text())
     config.update(tasks=str(example / "tasks.jsonl"), out=str(tmp_path / "run"), episodes_per_task=4, concurrency=8)
@@ -199,13 +201,13 @@ def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tm
     assert saved["model.norm.weight"].shape == (hidden,)  # whole, not a rank's shard
     assert "lm_head.weight" not in saved  # SmolLM2 ties it to the embeddings: saved once, and still tied
     assert (tmp_path / "run" / "versions" / "v1" / "learner" / "scheduler.pt").exists()
-    if sharding == "fsdp2":  # resumed: the whole checkpoint sharded again, its optimizer state too
-        config["train"]["steps"] = 2
-        path.write_text(yaml.safe_dump(config))
-        command = [sys.executable, "-m", "trainer.cli", "train", str(path), "--processes", "2", "--resume"]
-        again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
-        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-        assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "2"
+    # Resumed: the whole checkpoint sharded again, its optimizer state too.
+    config["train"]["steps"] = 2
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "trainer.cli", "train", str(path), "--processes", "2", "--resume"]
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "2"
 
 
 def test_the_shipped_multi_gpu_configs_load() -> None:
