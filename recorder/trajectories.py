@@ -117,13 +117,18 @@ class _Chain:
         self.request = call.request
 
 
+def _chosen(call: CallRecord, choice: int) -> Completion:
+    """The call's choice `choice` (its first, if a record names one it lacks)."""
+    return next((c for c in call.completions if c.index == choice), call.completions[0])
+
+
 def skip_reason(call: CallRecord, choice: int = 0) -> str | None:
     """Why a call (its choice `choice`) cannot be in a training sequence, if it cannot."""
     if not call.ok:
         return f"failed call (HTTP {call.http_status}): {call.error}"
     if not call.prompt_token_ids or not call.completions:
         return "no token ids recorded (an upstream that does not return them?)"
-    sampled = next((c for c in call.completions if c.index == choice), call.completions[0])
+    sampled = _chosen(call, choice)
     if not sampled.token_ids:
         return "empty completion"
     if len(sampled.logprobs) != len(sampled.token_ids):
@@ -194,7 +199,7 @@ def assemble(
                 breaks.append(_break(call, previous, prompts))
             chain = chains[root] = _Chain()  # a root whose own call was skipped: the chain starts here
             made.append(chain)
-        sampled = next((c for c in call.completions if c.index == choice), call.completions[0])
+        sampled = _chosen(call, choice)
         before = chain.copy() if len(call.completions) > 1 else chain
         chain.extend(call, sampled, call_rewards.get(call.seq))
         unmerged += len(call.prompt_token_ids) + len(sampled.token_ids)

@@ -296,7 +296,6 @@ class Learner:
         """The warm start's loss (rejection-sampling fine-tuning): the negative log-likelihood of
         the recorded sampled tokens (the loss mask, as in GRPO) at the sampling temperature, a mean
         over the batch's tokens. Not GRPO with advantage 1: that stops pulling once ratios clip."""
-
         parts, _, num_items = self._parts(samples)
         advantages = {id(s.sequence): s.advantage for s in samples}  # for the views
         for part in parts:
@@ -304,7 +303,7 @@ class Learner:
             logps, _ = self.logps(self.model, *self._model_inputs(batch))
             self._seen = logps.detach()
             mask = batch["completion_mask"] * batch["tool_mask"]
-            self._sums["gap"] += float(((logps.detach() - batch["sampling_per_token_logps"]).abs() * mask).sum())
+            self._sums["gap"] += float(((self._seen - batch["sampling_per_token_logps"]).abs() * mask).sum())
             self._sums["tokens"] += float(mask.sum())
             self._view(part, batch, advantages)
             yield -(logps * mask).sum() * self.world / max(num_items, 1)  # gradients are averaged over ranks
