@@ -163,11 +163,13 @@ class ContainerEnvironment(HostEnvironment):
 
     def reap(self) -> int:
         """Remove every container of this run on this machine's engine; how many there were."""
-        client = self.client()
-        left = client.containers.list(all=True, filters={"label": f"{OWNER}={self._owner}"})
-        for container in left:
-            with contextlib.suppress(Exception):
-                container.remove(force=True)
+        api = self.client().api
+        # The engine's list as it is, not docker-py's `containers.list`, which inspects each one
+        # it found: one that its cancelled episode removed meanwhile failed the whole sweep.
+        left = api.containers(all=True, filters={"label": f"{OWNER}={self._owner}"})
+        for found in left:
+            with contextlib.suppress(Exception):  # gone meanwhile
+                api.remove_container(found["Id"], force=True)
         return len(left)
 
     def disconnect(self) -> None:

@@ -21,7 +21,7 @@ import pytest
 from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
-from harness_adapters.environments.containers import OWNER
+from harness_adapters.environments.containers import BASE_IMAGE, OWNER, ContainerEnvironment
 from harness_adapters.runner import BUILD_FAILED
 from recorder.episodes import RewardRule
 
@@ -153,6 +153,27 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     assert _left(container_engine) == []
 
 
+def test_the_runs_sweep_is_not_undone_by_a_container_its_episode_removed_meanwhile(container_engine: Any) -> None:
+    """Seen in CI (issue 46): `collect` SIGTERMed exited 1, not 130. At the run's end its sweep
+    listed its containers while a cancelled episode was still removing its own, and Podman
+    answered the sweep's inspect of that one "no such container" (HTTP 500), which escaped the
+    interrupted run. The fault injected here: one container removed right after the sweep's list."""
+    environment = ContainerEnvironment()
+    labels = {OWNER: environment._owner}
+    made = [container_engine.containers.create(BASE_IMAGE, ["true"], labels=labels) for _ in range(2)]
+    api = environment.client().api
+    listed = api.containers
+
+    def list_then_lose_one(*args: Any, **kwargs: Any) -> Any:
+        found = listed(*args, **kwargs)
+        container_engine.api.remove_container(made[0].id, force=True)  # its episode got there first
+        return found
+
+    api.containers = list_then_lose_one
+    environment.close()
+    assert _left(container_engine) == []
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize(("command", "running"), [("collect", 3), ("train", 2)])
@@ -184,7 +205,7 @@ def test_sigterm_removes_every_container_it_started(
         time.sleep(0.5)
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
-    assert job.returncode == 130, output[-2000:]
+    assert job.returncode == 130, output[-4000:]
     assert _left(container_engine) == []
 
 
