@@ -38,6 +38,8 @@ MAX_LINE = 64 * 1024 * 1024
 MODELS_RETRY = 10.0
 STREAM_GAP_SECONDS = 600.0  # how long a stream that lost token ids makes streams be asked for whole
 VERSION_PATIENCE = 30  # version reads in a row that fail before it is worth a warning
+VERSION_READ_TIMEOUT = 5.0  # seconds for one read of the version
+ANNOUNCE_PATIENCE = 30.0  # seconds the trainer's announce reads again before it is an error
 
 
 def adapter_name(model: str, version: str) -> str:
@@ -155,22 +157,35 @@ class Upstream:
         return adapter if adapter in self.adapters else model
 
     async def refresh_version(self, patient: bool = True) -> bool:
-        """Read the weight version once; False if the upstream has no such route. `patient`
-        (the poll): a failed read is a warning only once VERSION_PATIENCE failed in a row."""
-        self._version_reads_sent += 1
-        read = self._version_reads_sent
-        try:
-            async with self.session.get(f"{self.root}/weight_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status == 404:
-                    return False
-                answer = await resp.json(loads=orjson.loads) if resp.ok else None
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
-            self._version_misses += 1
-            loud = not patient or self._version_misses == VERSION_PATIENCE
-            why = "weight version not read from %s (%d times in a row): %s"
-            log.log(logging.WARNING if loud else logging.DEBUG, why, self.base_url, self._version_misses, exc)
-            return True
+        """Read the weight version; False if the upstream has no such route. `patient` (the poll):
+        a failed read is a warning only once VERSION_PATIENCE failed in a row. Not patient (the
+        trainer's announce, vLLM paused): a failed read is sent again for ANNOUNCE_PATIENCE
+        seconds, then UpstreamUnreachable says so (kept quiet, the old version stamped the calls
+        that ended after the swap)."""
+        deadline = time.monotonic() + ANNOUNCE_PATIENCE
+        while True:
+            self._version_reads_sent += 1
+            read = self._version_reads_sent
+            try:
+                timeout = aiohttp.ClientTimeout(total=VERSION_READ_TIMEOUT)
+                async with self.session.get(f"{self.root}/weight_info", timeout=timeout) as resp:
+                    if resp.status == 404:
+                        return False
+                    answer = await resp.json(loads=orjson.loads) if resp.ok else None
+                break
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
+                self._version_misses += 1
+                if not patient and time.monotonic() < deadline:
+                    log.warning("weight version not read from %s (%s): reading again", self.base_url, exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                if not patient:
+                    raise UpstreamUnreachable(f"weight version not read from {self.root}: {exc!r}") from exc
+                loud = self._version_misses == VERSION_PATIENCE
+                why = "weight version not read from %s (%d times in a row): %s"
+                log.log(logging.WARNING if loud else logging.DEBUG, why, self.base_url, self._version_misses, exc)
+                return True
         found = answer.get("weight_version") if isinstance(answer, dict) else None
         version = None if found is None else str(found)
         if answer is not None and version is None and not self._no_version_said:

@@ -14,10 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import web
 
 from benchmarks.support.samples import call
+from proxy import upstream as upstream_module
 from proxy.capture import Capture, client_view
+from proxy.errors import UpstreamUnreachable
 from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads
@@ -215,6 +218,34 @@ async def test_a_late_answer_to_an_older_version_read_does_not_undo_a_newer_one(
         assert upstream.version == "1"
         await poll
         assert upstream.version == "1"
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+
+
+async def test_the_announce_reads_the_version_until_it_is_read_or_says_it_was_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer's announce (a read with patient=False) whose first read times out (a busy vLLM
+    in CI) reads again: the proxy had kept the old version and said nothing, and 16 streams that
+    ended after the swap were stamped "0". A server that never answers is an error naming it."""
+    monkeypatch.setattr(upstream_module, "VERSION_READ_TIMEOUT", 0.2)
+    monkeypatch.setattr(upstream_module, "ANNOUNCE_PATIENCE", 1.0)
+    delays = [0.5, 0.0]  # the first read is answered after the read's timeout
+
+    async def weight_info(request: web.Request) -> web.Response:
+        await asyncio.sleep(delays.pop(0) if delays else 5.0)
+        return web.json_response({"weight_version": "1"})
+
+    runner, upstream = await _weight_info_server(weight_info)
+    try:
+        upstream.version = "0"
+        await upstream.refresh_version(patient=False)
+        assert upstream.version == "1"
+        upstream.version = "0"  # from now on every read times out
+        with pytest.raises(UpstreamUnreachable, match=f"weight version not read from {upstream.root}"):
+            await upstream.refresh_version(patient=False)
+        assert upstream.version == "0"
     finally:
         await upstream.close()
         await runner.cleanup()
