@@ -1,17 +1,20 @@
-"""One optimizer step of the Learner on the GRPO groups of tests/support/sequences.py, in
-every process of a torchrun launch (tests/trainer/test_distributed.py). Rank 0 takes the step
-and saves the trained parameters and the step's metrics; the other ranks follow (the rank
-named by RLP_TEST_CRASH_RANK raises instead).
+"""Optimizer steps of the Learner on the GRPO groups of tests/support/sequences.py, in every
+process of one launch (tests/trainer/test_distributed.py): one case after another, each with a
+Learner of its own, so that the launch (the interpreters, torch's import, the process group) is
+paid once for all of them. In each case rank 0 takes the step and saves the trained parameters
+and the step's metrics; the other ranks follow (the rank named by RLP_TEST_CRASH_RANK raises
+instead).
 
-    torchrun --nproc-per-node 2 -m tests.support.distributed_step MODEL OUT GRPO MICRO_BATCH LORA ROWS SHARDING
+    torchrun --nproc-per-node 2 -m tests.support.distributed_step MODEL CASES
 
-GRPO is GRPOConfig fields as JSON; LORA is LoraConfig fields as JSON, or null; ROWS how many of
-the groups' 8 rows the step takes; SHARDING replicate or fsdp2 (then rank 0 saves the gathered
-weights in float32, and those are compared). Each rank writes the passes it planned and ran on
-the shared-prompt path when sharded (plans-RANK.json: per forward, the buckets of each prompt)
-and what it holds after the step (shards-RANK.pt). With a last argument `resume`, the launch
-resumes from the first one's checkpoint instead, and each rank writes what it holds then
-(resumed-RANK.pt) and its peak memory while it resumed (resume-RANK.json).
+CASES is a JSON file: a list of cases, each {"out": DIR, "grpo": GRPOConfig fields, "micro_batch":
+N, "lora": LoraConfig fields or null, "rows": how many of the groups' 8 rows the step takes,
+"sharding": "replicate" or "fsdp2"} (sharded, rank 0 saves the gathered weights in float32, and
+those are compared). Each rank writes the passes it planned and ran on the shared-prompt path
+when sharded (plans-RANK.json: per forward, the buckets of each prompt) and what it holds after
+the step (shards-RANK.pt). A case with "resume": true resumes from an earlier case's checkpoint
+in its DIR instead, and each rank writes what it holds then (resumed-RANK.pt) and its peak
+memory while it resumed (resume-RANK.json).
 """
 
 from __future__ import annotations
@@ -24,6 +27,25 @@ from typing import Any
 
 
 def main() -> None:
+    import torch.distributed as dist
+
+    model, cases = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
+    end = dist.destroy_process_group
+    dist.destroy_process_group = lambda *_: None  # each case's Learner.lead would end it: the next one needs it
+    try:
+        for case in cases:
+            out, grpo, micro_batch, sharding = Path(case["out"]), case["grpo"], case["micro_batch"], case["sharding"]
+            if case.get("resume"):
+                resume(model, out, grpo, micro_batch, sharding)
+            else:
+                step(model, out, grpo, micro_batch, case["lora"], case["rows"], sharding)
+    finally:
+        dist.destroy_process_group = end
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def step(model: str, out: Path, grpo: dict[str, Any], micro_batch: int, lora: Any, rows: int, sharding: str) -> None:
     import torch
 
     import trainer.forward
@@ -39,11 +61,7 @@ def main() -> None:
         return padded
 
     trainer.forward.in_step = recorded
-
-    model, out, grpo, micro_batch = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-    lora, rows, sharding = json.loads(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-    if sys.argv[8:] == ["resume"]:
-        return resume(model, out, grpo, micro_batch, sharding)
+    out.mkdir(parents=True, exist_ok=True)
     learner = Learner(
         model, out / "trl", grpo, 2, micro_batch=micro_batch, lora=lora, sharding=sharding, serve_dtype="float32"
     )
@@ -67,6 +85,7 @@ def main() -> None:
 
     rank = learner.rank
     learner.lead(lead)
+    trainer.forward.in_step = in_step
     (out / f"plans-{rank}.json").write_text(json.dumps(plans))
     torch.save(shards(learner), out / f"shards-{rank}.pt")
 

@@ -34,20 +34,13 @@ SGD = {
 
 
 def _two_processes(
-    model: Path,
-    out: Path,
-    grpo: dict[str, Any],
-    micro_batch: int,
-    lora: dict[str, Any] | None,
-    rows: int = 8,
-    crash: str = "",
-    launcher: str = "torchrun",
-    sharding: str = "replicate",
-    resume: bool = False,
+    model: Path, cases: list[dict[str, Any]], crash: str = "", launcher: str = "torchrun"
 ) -> subprocess.CompletedProcess[str]:
-    args = [str(model), str(out), json.dumps(grpo), str(micro_batch), json.dumps(lora), str(rows), sharding]
-    args += ["resume"] if resume else []
-    command = torchrun_command(2, "tests.support.distributed_step", *args)
+    """One launch of two processes that runs `cases` one after another (tests/support/distributed_step.py)."""
+    listed = Path(cases[0]["out"]) / "cases.json"
+    listed.parent.mkdir(parents=True, exist_ok=True)
+    listed.write_text(json.dumps(cases))
+    command = torchrun_command(2, "tests.support.distributed_step", str(model), str(listed))
     if launcher == "accelerate":  # --multi_gpu without --cpu: torchrun underneath, gloo on CPU
         command = [
             sys.executable,
@@ -64,64 +57,87 @@ def _two_processes(
             "no",
             "-m",
             "tests.support.distributed_step",
-            *args,
+            str(model),
+            str(listed),
         ]
     done = subprocess.run(
         command,
         cwd=ROOT,
         text=True,
         capture_output=True,
-        timeout=300,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1", "RLP_TEST_CRASH_RANK": crash},
     )
     assert done.returncode == 0 or crash, done.stderr[-3000:]
     return done
 
 
-@pytest.mark.parametrize(
-    ("grpo", "micro_batch", "lora", "rows", "launcher", "sharding"),
-    [
-        ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8, "torchrun", "replicate"),  # one pass of 4 rows per rank
-        ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8, "torchrun", "replicate"),
-        ({"loss_type": "dr_grpo"}, 3, None, 7, "torchrun", "replicate"),  # 1, 2, 2, 2 rows: rank 0's 1 gets a filler
-        ({"loss_type": "dapo"}, 8, None, 1, "torchrun", "replicate"),  # one row, two ranks: a pass of fillers
-        # 8 rows in 4 passes, 2 per rank, by accelerate launch as docs/deploying.md says
-        ({"loss_type": "dapo"}, 3, None, 8, "accelerate", "replicate"),
-        ({"loss_type": "grpo", "beta": 0.1}, 8, None, 7, "torchrun", "fsdp2"),  # with a sharded reference model
-        # sharded, the shared-prompt path through it, with checkpointed layers
-        ({"loss_type": "dapo", "gradient_checkpointing": True}, 3, None, 8, "torchrun", "fsdp2"),
-    ],
-)
-def test_one_step_on_two_processes_equals_one_process(
-    tiny_model: Path,
-    tmp_path: Path,
+def _case(
+    out: Path,
     grpo: dict[str, Any],
-    micro_batch: int,
-    lora: dict[str, Any] | None,
-    rows: int,
-    launcher: str,
-    sharding: str,
+    micro_batch: int = 3,
+    lora: Any = None,
+    rows: int = 8,
+    sharding: str = "replicate",
+    resume: bool = False,
+) -> dict[str, Any]:
+    """One case of a launch (tests/support/distributed_step.py)."""
+    return {"out": str(out), "grpo": grpo, "micro_batch": micro_batch, "lora": lora, "rows": rows,
+            "sharding": sharding, "resume": resume}  # fmt: skip
+
+
+CASES = {  # (grpo, micro_batch, lora, rows, sharding)
+    "grpo-kl": ({"loss_type": "grpo", "beta": 0.1}, 8, None, 8, "replicate"),  # one pass of 4 rows per rank
+    "bnpo-lora": ({"loss_type": "bnpo", "vllm_importance_sampling_mode": "token_mask"}, 3, LORA, 8, "replicate"),
+    "dr_grpo-7": ({"loss_type": "dr_grpo"}, 3, None, 7, "replicate"),  # 1, 2, 2, 2 rows: rank 0's 1 gets a filler
+    "dapo-1": ({"loss_type": "dapo"}, 8, None, 1, "replicate"),  # one row, two ranks: a pass of fillers
+    "dapo-4-passes": ({"loss_type": "dapo"}, 3, None, 8, "replicate"),  # 8 rows in 4 passes, 2 per rank
+    "fsdp2-kl": ({"loss_type": "grpo", "beta": 0.1}, 8, None, 7, "fsdp2"),  # with a sharded reference model
+    # sharded, the shared-prompt path through it, with checkpointed layers
+    "fsdp2-checkpointed": ({"loss_type": "dapo", "gradient_checkpointing": True}, 3, None, 8, "fsdp2"),
+}
+RESUMED = {"loss_type": "dapo", "temperature": 0.9}  # Adam: its state is what a resume must shard again
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case above, and the FSDP2 run the resume test resumes, in one launch of two
+    processes: by `accelerate launch`, as docs/deploying.md says (torchrun itself runs below:
+    `rl-proxy train --processes 2` and the tests of a dying rank and of the resume)."""
+    out = tmp_path_factory.mktemp("two-processes")
+    cases = [
+        _case(out / name, {**grpo, **SGD, "temperature": 0.9}, micro_batch, lora, rows, sharding)
+        for name, (grpo, micro_batch, lora, rows, sharding) in CASES.items()
+    ]
+    _two_processes(tiny_model, [*cases, _case(out / "resumed", RESUMED, sharding="fsdp2")], launcher="accelerate")
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_step_on_two_processes_equals_one_process(
+    tiny_model: Path, launched: Path, tmp_path: Path, name: str
 ) -> None:
+    grpo, micro_batch, lora, rows, sharding = CASES[name]
     grpo = {**grpo, **SGD, "temperature": 0.9}
-    _two_processes(tiny_model, tmp_path, grpo, micro_batch, lora, rows, launcher=launcher, sharding=sharding)
+    two_out = launched / name
     learner = Learner(str(tiny_model), tmp_path / "one", grpo, total_steps=1, micro_batch=micro_batch, lora=lora)
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters() if p.requires_grad}
     one = learner.step(groups()[:rows])
     alone = {n: p.detach() for n, p in learner.model.named_parameters() if p.requires_grad}
-    shared = torch.load(tmp_path / "trained-2.pt")
+    shared = torch.load(two_out / "trained-2.pt")
     assert shared.keys() == alone.keys()
     moved = 0
-    for name, weights in alone.items():
-        torch.testing.assert_close(shared[name] - before[name], weights - before[name], rtol=1e-4, atol=1e-6)
-        moved += int(not torch.equal(weights, before[name]))
+    for name_, weights in alone.items():
+        torch.testing.assert_close(shared[name_] - before[name_], weights - before[name_], rtol=1e-4, atol=1e-6)
+        moved += int(not torch.equal(weights, before[name_]))
     assert moved >= len(alone) // 2  # the step changed the weights (LoRA: B, not A, whose gradient is 0 at B = 0)
-    two = json.loads((tmp_path / "metrics-2.json").read_text())
+    two = json.loads((two_out / "metrics-2.json").read_text())
     whole = sum(p.numel() for p in learner.model.parameters())
     if sharding == "fsdp2":  # each rank holds about half the parameters
         assert abs(two["parameters_on_rank"] - whole / 2) < 0.01 * whole, (two["parameters_on_rank"], whole)
         # The shared-prompt path ran sharded: the same passes on both ranks, topped up where one
         # rank had fewer prompts in a micro-batch than the other (here in every case).
-        plans = [json.loads((tmp_path / f"plans-{rank}.json").read_text()) for rank in (0, 1)]
+        plans = [json.loads((two_out / f"plans-{rank}.json").read_text()) for rank in (0, 1)]
         assert plans[0] and [p["run"] for p in plans[0]] == [p["run"] for p in plans[1]], plans
         assert any(p["own"] != p["run"] for rank in plans for p in rank), plans
     else:
@@ -130,18 +146,17 @@ def test_one_step_on_two_processes_equals_one_process(
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
 
-def test_fsdp2_resumes_each_rank_from_its_own_shards(tiny_model: Path, tmp_path: Path) -> None:
+def test_fsdp2_resumes_each_rank_from_its_own_shards(tiny_model: Path, launched: Path) -> None:
     """A checkpoint of an FSDP2 run (torch's distributed checkpoint, each rank writing its own
-    shards) resumed on two processes: each rank reads back exactly the parameter and Adam state
-    shards it had, and holds half of the optimizer state, never the whole. Each rank's peak
-    memory while it resumed is measured (VmHWM) and printed; on the tiny model here it is noise,
-    benchmarks/bench_scale.py has it for SmolLM2-135M."""
-    grpo = {"loss_type": "dapo", "temperature": 0.9}
-    _two_processes(tiny_model, tmp_path, grpo, 3, None, sharding="fsdp2")
-    _two_processes(tiny_model, tmp_path, grpo, 3, None, sharding="fsdp2", resume=True)
-    whole = 2 * sum(p.numel() for p in Learner(str(tiny_model), tmp_path / "one", grpo, 1).model.parameters())
+    shards; the launch above) resumed on two processes by torchrun: each rank reads back exactly
+    the parameter and Adam state shards it had, and holds half of the optimizer state, never the
+    whole. Each rank's peak memory while it resumed is measured (VmHWM) and printed; on the tiny
+    model here it is noise, benchmarks/bench_scale.py has it for SmolLM2-135M."""
+    out = launched / "resumed"
+    _two_processes(tiny_model, [_case(out, RESUMED, sharding="fsdp2", resume=True)])
+    whole = 2 * sum(p.numel() for p in Learner(str(tiny_model), out / "one", RESUMED, 1).model.parameters())
     for rank in (0, 1):
-        had, resumed = torch.load(tmp_path / f"shards-{rank}.pt"), torch.load(tmp_path / f"resumed-{rank}.pt")
+        had, resumed = torch.load(out / f"shards-{rank}.pt"), torch.load(out / f"resumed-{rank}.pt")
         for a, b in zip(had["parameters"], resumed["parameters"], strict=True):
             assert torch.equal(a, b)
         for a, b in zip(had["optimizer"], resumed["optimizer"], strict=True):
@@ -149,14 +164,14 @@ def test_fsdp2_resumes_each_rank_from_its_own_shards(tiny_model: Path, tmp_path:
             assert all(torch.equal(a[k], b[k]) for k in a)
         held = sum(s[k].numel() for s in resumed["optimizer"] for k in ("exp_avg", "exp_avg_sq"))
         assert abs(held - whole / 2) < 0.01 * whole, (held, whole)
-        memory = json.loads((tmp_path / f"resume-{rank}.json").read_text())
+        memory = json.loads((out / f"resume-{rank}.json").read_text())
         print(f"rank {rank}: {memory['above']} bytes above its RSS while it resumed")
 
 
 def test_a_rank_that_dies_stops_the_run_with_its_error(tiny_model: Path, tmp_path: Path) -> None:
     """Rank 1 fails before the first step: rank 0 does not wait on it forever, the launch fails
     and says why."""
-    done = _two_processes(tiny_model, tmp_path, {"loss_type": "dapo"}, 4, None, crash="1")
+    done = _two_processes(tiny_model, [_case(tmp_path, {"loss_type": "dapo"}, micro_batch=4)], crash="1")
     assert done.returncode != 0
     assert "rank 1 crashes on purpose" in done.stderr
     assert not (tmp_path / "trained-2.pt").exists()
