@@ -50,7 +50,7 @@ class RunningProxy:
         return f"{self.url}/v1"
 
     def calls(self, session_id: str | None = None) -> list[CallRecord]:
-        return read_store(self.db, lambda s: _collect(s.iter_calls(session_id)))
+        return read_calls(self.db, session_id)
 
     def sessions(self) -> list[SessionInfo]:
         return read_store(self.db, lambda s: s.list_sessions())
@@ -58,6 +58,11 @@ class RunningProxy:
 
 async def _collect(it: Any) -> list[Any]:
     return [x async for x in it]
+
+
+def read_calls(db: str, session_id: str | None = None) -> list[CallRecord]:
+    """The calls in a store (one session's, if given), read as `read_store` does."""
+    return read_store(db, lambda s: _collect(s.iter_calls(session_id)))  # type: ignore[no-any-return]
 
 
 def read_store(db: str, work: Any) -> Any:
