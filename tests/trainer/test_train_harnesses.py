@@ -51,7 +51,9 @@ def test_one_step_through_claude_code(
     # Checkpointed layers: a step on Claude Code's ~7,700-token sequences peaked near 16 GB in the
     # test process, which with the shared vLLM beside it reached this machine's 24 GB once in CI.
     grpo = {**config.train.grpo, "gradient_checkpointing": True}
-    config.train = config.train.model_copy(update={"steps": 1, "grpo": grpo})
+    # Both episodes in one micro-batch: their common prompt (Claude Code's system prompt and
+    # tools, most of each sequence) runs once, its KV shared by the two rows.
+    config.train = config.train.model_copy(update={"steps": 1, "grpo": grpo, "micro_batch": 2})
 
     result = train(config, progress=False)
 
