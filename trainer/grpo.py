@@ -14,7 +14,10 @@ rest is TRL's completion, with the trajectory's loss mask as its `tool_mask`. Th
 logprobs the proxy recorded are the sampling logprobs: without vLLM importance-sampling
 correction also the old-policy ones; with it (per token by default here), the old-policy
 logprobs are the trainer's own before the step, and their ratio to the behaviour ones is
-capped or masked as TRL does for its vLLM samples (AReaL's decoupled objective).
+capped or masked as TRL does for its vLLM samples (AReaL's decoupled objective). A step is one
+pass over its samples and one optimizer step, so without dropout the old-policy logprobs are
+the loss forward's own, detached (as TRL takes them then): the no-grad forward that would
+compute them again is skipped (`old_is_current`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,19 @@ T = TypeVar("T")
 
 
 VIEWS_PER_STEP = 4  # sequences a step keeps the learner's logprobs of (LearnerView)
+
+
+def dropout_free(model: Any) -> bool:
+    """Whether a training-mode forward of `model` is its eval-mode one: no dropout module with a
+    rate (a LoRA adapter's lora_dropout, for one), and no dropout rate in its config (Hugging Face
+    attention applies `attention_dropout` itself, in training mode)."""
+    import torch
+
+    config = getattr(model, "config", None)
+    found = vars(config).items() if config is not None else ()
+    rates = [v for k, v in found if "drop" in k and isinstance(v, int | float) and not isinstance(v, bool)]
+    modules = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    return not any(rates) and not any(modules)
 
 
 class Learner:
@@ -146,6 +162,9 @@ class Learner:
         # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
         # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
         self.shared_prefix = True
+        # One pass and one optimizer step per step: the weights the loss forward runs with are
+        # the old policy's, and without dropout so are its logprobs.
+        self.old_is_current = dropout_free(self.model)
 
     def row_weights(self, part: list[Sample], step: list[Sample] | None = None) -> Any:
         """Each row's token weight (`token_weights`) in a step of `step` (default: `part`)."""
@@ -155,10 +174,13 @@ class Learner:
         found = token_weights(counted, self.args.loss_type, self.args.max_completion_length)
         return torch.tensor([found.get(id(s), 0.0) for s in part], dtype=torch.float32)
 
-    def inputs(self, samples: list[Sample], num_items: int | None = None, terms: bool = True) -> dict[str, Any]:
+    def inputs(
+        self, samples: list[Sample], num_items: int | None = None, terms: bool = True, old: bool = True
+    ) -> dict[str, Any]:
         """TRL's batch for these samples: prompts left-padded, completions right-padded, the
         loss mask as `tool_mask`, the behaviour logprobs as `sampling_per_token_logps`; with
-        `terms`, the old-policy and reference logprobs the loss needs (`_policy_terms`)."""
+        `terms`, the old-policy and reference logprobs the loss needs (`_policy_terms`). Without
+        `old`, the old-policy ones are left to `loss`, from its own forward."""
         import torch
 
         prompts = [s.sequence.input_ids[: s.split] for s in samples]
@@ -194,11 +216,11 @@ class Learner:
         training = self.model.training
         self.model.eval()
         try:
-            return self._policy_terms(batch, mask)
+            return self._policy_terms(batch, mask, old)
         finally:
             self.model.train(training)
 
-    def _policy_terms(self, batch: dict[str, Any], mask: Any) -> dict[str, Any]:
+    def _policy_terms(self, batch: dict[str, Any], mask: Any, old: bool) -> dict[str, Any]:
         """Old-policy and reference logprobs and the importance-sampling ratio, as TRL's
         `_generate_and_score_completions` makes them for samples from vLLM."""
         import torch
@@ -207,16 +229,10 @@ class Learner:
         given = self._model_inputs(batch)
         if not args.vllm_importance_sampling_correction:
             batch["old_per_token_logps"] = batch["sampling_per_token_logps"]
-        else:
+        elif old:
             with torch.no_grad():
-                old, _ = self.logps(self.model, *given)
-            batch["old_per_token_logps"] = old
-            diff, ratio = importance_ratio(old, batch["sampling_per_token_logps"], mask, args)
-            batch["importance_sampling_ratio"] = ratio
-            # What the correction changed: tokens, or whole sequences in the sequence modes.
-            judged = (mask if diff.size(1) > 1 else mask.sum(-1, keepdim=True)) > 0
-            self._sums["capped"] += float(((ratio != torch.exp(diff)) & judged).sum())
-            self._sums["judged"] += float(judged.sum())
+                logps, _ = self.logps(self.model, *given)
+            self._importance(batch, logps, mask)
         if args.beta != 0.0:  # the reference: TRL's frozen copy of the starting model, or the base under LoRA
             with torch.no_grad(), contextlib.ExitStack() as scope:
                 reference = trl.ref_model
@@ -229,6 +245,18 @@ class Learner:
             batch["ref_per_token_logps"] = ref
         return batch
 
+    def _importance(self, batch: dict[str, Any], old: Any, mask: Any) -> None:
+        """The old-policy logprobs, and their importance-sampling ratio to the behaviour ones."""
+        import torch
+
+        batch["old_per_token_logps"] = old
+        diff, ratio = importance_ratio(old, batch["sampling_per_token_logps"], mask, self.args)
+        batch["importance_sampling_ratio"] = ratio
+        # What the correction changed: tokens, or whole sequences in the sequence modes.
+        judged = (mask if diff.size(1) > 1 else mask.sum(-1, keepdim=True)) > 0
+        self._sums["capped"] += float(((ratio != torch.exp(diff)) & judged).sum())
+        self._sums["judged"] += float(judged.sum())
+
     def loss(self, batch: dict[str, Any], weights: Any) -> Any:
         """The sum over a micro-batch's trained tokens of `weights` (a row's token weight:
         trainer/weights.py) x the per-token loss of the run's loss_type, its KL term included,
@@ -238,6 +266,8 @@ class Learner:
         logps, entropies = self.logps(self.model, *self._model_inputs(batch), compute_entropy=True)
         self._seen = logps.detach()
         mask = batch["completion_mask"] * batch["tool_mask"]
+        if "old_per_token_logps" not in batch:  # the old policy is this one (`old_is_current`)
+            self._importance(batch, self._seen, mask)
         weights = weights.to(self.device)[:, None]
         per_token, clipped = per_token_loss(self.trl, logps, entropies, batch, mask)
         loss = (per_token * mask * weights).sum()
@@ -287,7 +317,7 @@ class Learner:
         advantages = {id(s.sequence): s.advantage for s in samples}  # for the views
         parts, _, _ = self._parts(samples)
         for part in parts:
-            batch = self.inputs(part)
+            batch = self.inputs(part, old=not self.old_is_current)
             loss = self.loss(batch, self.row_weights(part, samples)) * self.world
             self._view(part, batch, advantages)
             yield loss

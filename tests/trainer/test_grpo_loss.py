@@ -9,7 +9,9 @@ with SmolLM2's tokenizer keeps it fast.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -655,3 +657,43 @@ def test_a_steps_loss_is_the_weighted_sum_of_each_rows_own_trl_loss(
         divided_by = {"dr_grpo": 64, "luspo": 1}.get(loss_type, sample.sequence.sampled_tokens)
         by_hand = by_hand + weights[id(sample)] * single * divided_by
     torch.testing.assert_close(ours, by_hand, rtol=1e-4, atol=1e-7)
+
+
+def test_the_old_policy_forward_is_skipped_without_dropout_and_changes_neither_loss_nor_gradients(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Issue 48: a step is one pass over its samples and one optimizer step, so without dropout
+    the old-policy logprobs are the loss forward's own, detached: the no-grad forward that
+    computed them again is skipped, one forward per micro-batch. The loss, the gradients and the
+    importance-sampling metrics are those of the step that runs it. A LoRA adapter's dropout, or a
+    dropout rate in the model's config, keeps it."""
+    grpo = {"loss_type": "grpo", "beta": 0.1, "vllm_importance_sampling_mode": "token_truncate"}
+    found = {}
+    for skip in (True, False):
+        learner = Learner(str(tiny_model), tmp_path / str(skip), grpo, total_steps=1, micro_batch=3)
+        assert learner.old_is_current  # the tiny Llama has no dropout
+        learner.old_is_current = skip
+        forwards, logps = [], learner.logps
+
+        def counted(*args: Any, logps: Any = logps, forwards: list[int] = forwards, **kwargs: Any) -> Any:
+            forwards.append(1)
+            return logps(*args, **kwargs)
+
+        learner.logps = counted  # type: ignore[method-assign]
+        total = sum(learner.part_losses(groups()))
+        total.backward()  # type: ignore[union-attr]
+        grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+        found[skip] = (float(total.detach()), grads, dict(learner._sums), len(forwards))
+    parts = len(learner._parts(groups())[0])
+    (loss, grads, sums, forwards), (loss_, grads_, sums_, forwards_) = found[True], found[False]
+    assert forwards + parts == forwards_ and parts > 1  # one forward fewer per micro-batch
+    assert loss == pytest.approx(loss_, rel=1e-6) and sums == pytest.approx(sums_, rel=1e-6)
+    assert sums["judged"] > 0 and grads.keys() == grads_.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_[name], rtol=1e-5, atol=1e-8, msg=name)
+    dropped = Learner(str(tiny_model), tmp_path / "lora", grpo, total_steps=1, lora={**LORA, "lora_dropout": 0.1})
+    assert not dropped.old_is_current
+    shutil.copytree(tiny_model, tmp_path / "dropout")
+    config = json.loads((tmp_path / "dropout" / "config.json").read_text())
+    (tmp_path / "dropout" / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    assert not Learner(str(tmp_path / "dropout"), tmp_path / "d", grpo, total_steps=1).old_is_current
