@@ -1,8 +1,14 @@
 """The learner's forward pass where it differs from TRL's padded batch: each GRPO group's prompt
 run once for all its rows (`shared_prefix_logps`), rows in passes of like lengths
-(`length_buckets`), the check that a model can take that path (`prompt_cache_fits`), and freed
-heap handed back to the OS between steps. grpo.py decides when to use it; TRL's loss is the same
-either way.
+(`length_buckets`), the check that a model can take that path (`prompt_cache_fits`), what each
+path costs on this device (`pass_overhead`, `sharing_pays`), and freed heap handed back to the OS
+between steps. grpo.py decides when to use it; TRL's loss is the same either way.
+
+The cost of a pass is taken as a fixed part plus a part per token, and the fixed part is counted
+in tokens (`pass_overhead`): on two CPU cores it is tens of tokens, so passes of like lengths and
+a prompt run once pay; on a GPU a pass costs 1,000-3,000 tokens (issue 48, an H200), so the
+shared prompt pays only where it saves many tokens per pass it adds (long agent prompts), and
+a batch of short prompts goes through TRL's padded batch.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +30,10 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def length_buckets(lengths: Sequence[int], most: int, overhead: int = 16) -> list[list[int]]:
+CPU_OVERHEAD = 16.0  # a pass's fixed cost in tokens on two CPU cores, where the learner was first tuned
+
+
+def length_buckets(lengths: Sequence[int], most: int, overhead: float = CPU_OVERHEAD) -> list[list[int]]:
     """The rows (indices into `lengths`) split into forward passes of at most `most` rows, each
     padded to its longest, so that the padded tokens plus `overhead` per pass are fewest: sorted
     by length, the best cut points by dynamic programming (a handful of rows per group)."""
@@ -102,6 +112,85 @@ def replayable(config: Any, head: Any = None, rows: int = 1) -> Any:
     return cache
 
 
+def pass_overhead(model: Any, accelerator: Any, vocab: int, short: int = 32, long: int = 1024) -> float:
+    """The fixed cost of a forward and backward pass on this device, in tokens: one row of `short`
+    and one of `long` random tokens through `model` as the learner runs it (autocast, TRL's fused
+    LM head), timed after a warm-up, the fastest of three (what the device does, not what else
+    ran meanwhile); the time taken as c0 + c1 x tokens, c0 / c1 returned. The gradients it made
+    are dropped. On a CPU it is CPU_OVERHEAD, not measured: there a pass of 1,024 tokens of a
+    135M model takes seconds, and two cores shared with vLLM time it too unsteadily to trust."""
+    if accelerator.device.type == "cpu":
+        return CPU_OVERHEAD
+    return measured_overhead(model, accelerator, vocab, short, long)
+
+
+def measured_overhead(model: Any, accelerator: Any, vocab: int, short: int = 32, long: int = 1024) -> float:
+    """`pass_overhead` as timed on the model's device (any device)."""
+    import torch
+
+    device = accelerator.device
+
+    def seconds(tokens: int) -> float:
+        ids = torch.randint(0, vocab, (1, tokens), device=device)
+        found = []
+        for _ in range(4):
+            _synchronize(device)
+            start = time.perf_counter()
+            with torch.enable_grad(), accelerator.autocast():
+                out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+            out.log_probs.sum().backward()
+            _synchronize(device)
+            found.append(time.perf_counter() - start)
+        return min(found[1:])
+
+    fixed, more = seconds(short), seconds(long)
+    model.zero_grad(set_to_none=True)
+    per_token = max(more - fixed, 1e-9) / (long - short)
+    return min(max(fixed / per_token - short, 1.0), 1e5)
+
+
+def _synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def share_plan(
+    input_ids: Any, attention_mask: Any, keep: int, batch_size: int, overhead: float
+) -> tuple[list[tuple[tuple[int, ...], list[list[int]]]], list[int]]:
+    """The shared-prompt path's passes for a TRL batch (prompts left-padded, completions
+    right-padded): per distinct prompt, its rows in buckets of like completion lengths (at most
+    `batch_size` rows a pass, `length_buckets`); and each row's completion length, up to its last
+    attended column (at least one, so that a row wholly masked stays in the graph)."""
+    width = input_ids.size(1) - keep
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row in range(input_ids.size(0)):
+        prompt = input_ids[row, :width][attention_mask[row, :width].bool()]
+        groups.setdefault(tuple(prompt.tolist()), []).append(row)
+    lengths = (attention_mask[:, width:].cumsum(1).argmax(1) + 1).tolist()
+    plan = [
+        (prompt, [[rows[i] for i in b] for b in length_buckets([lengths[r] for r in rows], batch_size, overhead)])
+        for prompt, rows in groups.items()
+    ]
+    return plan, lengths
+
+
+def sharing_pays(input_ids: Any, attention_mask: Any, keep: int, batch_size: int, overhead: float) -> bool:
+    """Whether the shared-prompt path costs fewer tokens than TRL's padded batch, a pass counted
+    as `overhead` tokens: TRL's runs passes of `batch_size` rows, each row padded to the batch's
+    width; the shared path one pass per prompt (but its last token) and one per bucket of rows."""
+    rows = input_ids.size(0)
+    padded = math.ceil(rows / batch_size) * overhead + rows * input_ids.size(1)
+    plan, lengths = share_plan(input_ids, attention_mask, keep, batch_size, overhead)
+    shared = sum(
+        (len(prompt) - 1 + overhead if len(prompt) > 1 else 0.0)
+        + sum(overhead + len(bucket) * (1 + max(lengths[r] for r in bucket)) for bucket in buckets)
+        for prompt, buckets in plan
+    )
+    return shared < padded
+
+
 def shared_prefix_logps(
     model: Any,
     input_ids: Any,
@@ -110,27 +199,19 @@ def shared_prefix_logps(
     accelerator: Any,
     batch_size: int | None = None,
     compute_entropy: bool = False,
+    overhead: float = CPU_OVERHEAD,
 ) -> tuple[Any, Any]:
     """Per-token logprobs (and entropies) of the last `keep` columns of a TRL batch (prompts
     left-padded, completions right-padded), as TRL's fused LM head gives them, with each prompt
     run once for all the rows that share it: its keys and values are computed once (gradients
     flow back through them from every row) and the rows run only their completions, in passes of
-    like lengths (`length_buckets`) instead of padded to the longest. A GRPO group's rows share
-    their prompt (system, demo, task), most of each sequence in the example. Positions are those
-    vLLM sampled at (no left padding)."""
+    like lengths (`length_buckets`, a pass counted as `overhead` tokens) instead of padded to the
+    longest. A GRPO group's rows share their prompt (system, demo, task), most of each sequence
+    in the example. Positions are those vLLM sampled at (no left padding)."""
     import torch
 
     width = input_ids.size(1) - keep
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for row in range(input_ids.size(0)):
-        prompt = input_ids[row, :width][attention_mask[row, :width].bool()]
-        groups.setdefault(tuple(prompt.tolist()), []).append(row)
-    # Up to the last attended column (at least one, so that a row wholly masked stays in the graph).
-    lengths = (attention_mask[:, width:].cumsum(1).argmax(1) + 1).tolist()
-    plan = [
-        (prompt, [[rows[i] for i in b] for b in length_buckets([lengths[r] for r in rows], batch_size or len(rows))])
-        for prompt, rows in groups.items()
-    ]
+    plan, lengths = share_plan(input_ids, attention_mask, keep, batch_size or input_ids.size(0), overhead)
     unwrapped = accelerator.unwrap_model(model)
     causal = unwrapped.get_base_model() if hasattr(unwrapped, "peft_config") else unwrapped  # LoRA layers inside
     units = [m for m in causal.modules() if sharded(m) and m is not causal]  # FSDP2's decoder layers

@@ -24,18 +24,27 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from recorder.records import LearnerView
 from trainer import checkpoint
-from trainer.forward import prompt_cache_fits, release_memory, shared_prefix_logps
+from trainer.forward import (
+    CPU_OVERHEAD,
+    pass_overhead,
+    prompt_cache_fits,
+    release_memory,
+    shared_prefix_logps,
+    sharing_pays,
+)
 from trainer.sample import Sample
 from trainer.sharding import average_gradients, checkpoint_layers, full_norm, shard
 from trainer.weights import CLIPPED, UNBUILT, importance_ratio, kl_term, learner_settings, per_token_loss, token_weights
 
 T = TypeVar("T")
+log = logging.getLogger("rl_proxy.trainer")
 
 
 VIEWS_PER_STEP = 4  # sequences a step keeps the learner's logprobs of (LearnerView)
@@ -69,6 +78,7 @@ class Learner:
         weights_dtype: str = "float32",
         sharding: str = "replicate",
         serve_dtype: str = "auto",
+        overhead: float | None = None,
     ) -> None:
         """The policy from `model_path`; with `beta`, the KL reference is `reference` (the base
         model, when `model_path` is a checkpoint resumed from) or else the policy as loaded.
@@ -79,7 +89,9 @@ class Learner:
         stepped in bf16 lost 98% of an lr 1e-6 update to rounding), with bf16 autocast where the
         GPU has it, as TRL does; or bfloat16 to halve their memory. With several processes,
         `sharding` is "replicate" (data parallel) or "fsdp2" (trainer/sharding.py). Versions are
-        saved for vLLM in `serve_dtype` (`serving_dtype`)."""
+        saved for vLLM in `serve_dtype` (`serving_dtype`). `overhead` is what a forward and
+        backward pass costs beyond its tokens, in tokens (trainer/forward.py): None measures it on
+        this device at the first step (until then, CPU_OVERHEAD)."""
         import torch
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -159,9 +171,11 @@ class Learner:
         self._sums = dict.fromkeys(("gap", "tokens", "capped", "judged", "entropy", "clipped", "kl"), 0.0)
         self._seen: Any = None  # the policy's logprobs of the last micro-batch, for the views
         self.views: list[LearnerView] = []  # what the last step saw of a few of its sequences
-        # The group's common prompt runs once per micro-batch, its KV shared by the group's rows
-        # (`shared_prefix_logps`); False runs TRL's own padded batch (the benchmark's "plain").
-        self.shared_prefix = True
+        # How a forward runs: True, the group's common prompt once per micro-batch, its KV shared
+        # by the group's rows (`shared_prefix_logps`); False, TRL's own padded batch (the
+        # benchmark's "plain"); None, whichever costs less on this device (`sharing_pays`).
+        self.shared_prefix: bool | None = None
+        self.overhead = overhead
         # One pass and one optimizer step per step: the weights the loss forward runs with are
         # the old policy's, and without dropout so are its logprobs.
         self.old_is_current = dropout_free(self.model)
@@ -297,13 +311,18 @@ class Learner:
     ) -> tuple[Any, Any]:
         """(per-token logprobs, entropies or None) of the last `keep` columns: with the prompt
         that several rows share run once (`shared_prefix_logps`), else TRL's own padded batch
-        (`_get_per_token_logps_and_entropies`, in micro-batches of `micro_batch` rows)."""
+        (`_get_per_token_logps_and_entropies`, in micro-batches of `micro_batch` rows): as
+        `shared_prefix` says, or else whichever costs less on this device."""
         from trl import GRPOTrainer
 
-        if self.shared_prefix and prompt_cache_fits(model, self.trl.accelerator):  # cheap: the config, an empty cache
-            return shared_prefix_logps(
-                model, input_ids, attention_mask, keep, self.trl.accelerator, self.micro_batch, compute_entropy
-            )
+        accelerator = self.trl.accelerator
+        if self.shared_prefix is not False and prompt_cache_fits(model, accelerator):  # cheap: the config
+            overhead = CPU_OVERHEAD if self.overhead is None else self.overhead  # measured at the first step
+            # Sharded, every rank takes the shared path: their passes must pair up (`in_step`).
+            chosen = self.shared_prefix or self.fsdp
+            if chosen or sharing_pays(input_ids, attention_mask, keep, self.micro_batch, overhead):
+                batch = (input_ids, attention_mask, keep, accelerator, self.micro_batch, compute_entropy)
+                return shared_prefix_logps(model, *batch, overhead)
         logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             self.trl, model, input_ids, attention_mask, keep, self.micro_batch, compute_entropy
         )
@@ -411,6 +430,9 @@ class Learner:
 
         trl = self.trl
         self.model.train()
+        if self.overhead is None:  # before any forward: the gradients it makes are dropped
+            self.overhead = pass_overhead(self.model, trl.accelerator, len(self.tokenizer))
+            log.info("a forward and backward pass costs as much as %.0f tokens on %s", self.overhead, self.device)
         total = 0.0
         self._sums = dict.fromkeys(self._sums, 0.0)
         self.views = []

@@ -697,3 +697,50 @@ def test_the_old_policy_forward_is_skipped_without_dropout_and_changes_neither_l
     config = json.loads((tmp_path / "dropout" / "config.json").read_text())
     (tmp_path / "dropout" / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
     assert not Learner(str(tmp_path / "dropout"), tmp_path / "d", grpo, total_steps=1).old_is_current
+
+
+def _batch_of(prompts: list[int], rows: int, completion: int) -> tuple[Any, Any, int]:
+    """A TRL batch's input ids and mask: `rows` rows for each prompt length, completions of
+    `completion` tokens but one a row shorter each (right-padded)."""
+    ids, masks = [], []
+    width = max(prompts)
+    for group, length in enumerate(prompts):
+        for row in range(rows):
+            kept = completion - row
+            ids.append([0] * (width - length) + [group + 1] * length + [7] * completion)
+            masks.append([0] * (width - length) + [1] * (length + kept) + [0] * (completion - kept))
+    return torch.tensor(ids), torch.tensor(masks), completion
+
+
+def test_the_pass_plan_follows_what_a_pass_costs_on_the_device(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48: a pass's fixed cost, in tokens, is tens on two CPU cores and 1,000-3,000 on an
+    H200, where the shared prompt made short-prompt batches 4x slower than TRL's padded batch.
+    The plan counts both paths' tokens and passes at the device's cost: at a GPU's, a batch of
+    short prompts (the arithmetic example's shape) goes padded and one of long agent prompts
+    shared; at a CPU's both share. The cost is measured on the device when not given."""
+    import trainer.grpo
+    from trainer.forward import CPU_OVERHEAD, measured_overhead, sharing_pays
+
+    arithmetic, agent = _batch_of([136, 130], 8, 40), _batch_of([4000] * 4, 8, 120)
+    assert sharing_pays(*arithmetic, 8, overhead=16) and sharing_pays(*agent, 8, overhead=16)
+    assert not sharing_pays(*arithmetic, 8, overhead=2000) and sharing_pays(*agent, 8, overhead=2000)
+    taken: list[float | None] = []
+    forward = trainer.grpo.shared_prefix_logps
+    for overhead in (16.0, 1e5, None):
+        out = tmp_path / str(overhead)
+        learner = Learner(str(tiny_model), out, {}, total_steps=1, micro_batch=4, overhead=overhead)
+
+        def shared(*args: Any, overhead: float | None = overhead, **kwargs: Any) -> Any:
+            taken.append(overhead)
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(trainer.grpo, "shared_prefix_logps", shared)
+        learner.step(groups())
+        if overhead is None:  # a CPU's is not measured: CPU_OVERHEAD
+            assert learner.overhead == CPU_OVERHEAD
+    assert 16.0 in taken and 1e5 not in taken
+    # How a GPU's is measured (here on the CPU): a number of tokens, and no gradient left behind.
+    measured = measured_overhead(learner.model, learner.trl.accelerator, len(learner.tokenizer), 8, 128)
+    assert 1 <= measured <= 1e5 and all(p.grad is None for p in learner.model.parameters())
