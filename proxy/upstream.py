@@ -176,12 +176,12 @@ class Upstream:
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 # A busy vLLM (starting, or a long prefill on CPU) answers late: normal, unless it lasts.
                 self._version_misses += 1
-                if not patient and time.monotonic() < deadline:
+                if not patient:
+                    if time.monotonic() >= deadline:
+                        raise UpstreamUnreachable(f"weight version not read from {self.root}: {exc!r}") from exc
                     log.warning("weight version not read from %s (%s): reading again", self.base_url, exc)
                     await asyncio.sleep(0.1)
                     continue
-                if not patient:
-                    raise UpstreamUnreachable(f"weight version not read from {self.root}: {exc!r}") from exc
                 loud = self._version_misses == VERSION_PATIENCE
                 why = "weight version not read from %s (%d times in a row): %s"
                 log.log(logging.WARNING if loud else logging.DEBUG, why, self.base_url, self._version_misses, exc)

@@ -321,8 +321,8 @@ class Learner:
             # Sharded, every rank takes the shared path: their passes must pair up (`in_step`).
             chosen = self.shared_prefix or self.fsdp
             if chosen or sharing_pays(input_ids, attention_mask, keep, self.micro_batch, overhead):
-                batch = (input_ids, attention_mask, keep, accelerator, self.micro_batch, compute_entropy)
-                return shared_prefix_logps(model, *batch, overhead)
+                given = (input_ids, attention_mask, keep, accelerator, self.micro_batch, compute_entropy)
+                return shared_prefix_logps(model, *given, overhead)
         logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             self.trl, model, input_ids, attention_mask, keep, self.micro_batch, compute_entropy
         )

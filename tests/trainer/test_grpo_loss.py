@@ -741,6 +741,7 @@ def test_the_pass_plan_follows_what_a_pass_costs_on_the_device(
         if overhead is None:  # a CPU's is not measured: CPU_OVERHEAD
             assert learner.overhead == CPU_OVERHEAD
     assert 16.0 in taken and 1e5 not in taken
-    # How a GPU's is measured (here on the CPU): a number of tokens, and no gradient left behind.
-    measured = measured_overhead(learner.model, learner.trl.accelerator, len(learner.tokenizer), 8, 128)
-    assert 1 <= measured <= 1e5 and all(p.grad is None for p in learner.model.parameters())
+    # How a GPU's is measured, run here on the CPU: it leaves no gradient behind (its value is
+    # clamped to 1-100,000 tokens, so only a GPU's run says whether it is right: docs/benchmarks.md).
+    measured_overhead(learner.model, learner.trl.accelerator, len(learner.tokenizer), 8, 128)
+    assert all(p.grad is None for p in learner.model.parameters())
