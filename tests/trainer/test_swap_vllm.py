@@ -56,7 +56,7 @@ def test_swap_while_16_streams(proxy: RunningProxy, vllm: Upstream, restore: str
         await _announce(proxy)
         client = AsyncOpenAI(base_url=proxy.v1, api_key="swap-test", max_retries=0, timeout=120)
         before = await first_logprob(client, vllm.model)
-        streams = await streams_in_flight(client, vllm.model, 16, 96)  # sampling with the old weights
+        streams = await streams_in_flight(client, vllm.model, 16, 96, freeze=restore)  # sampling the old weights
         paused = await hot_swap([restore], changed, "1", base, lambda version: _checked_announce(proxy, version))
         results = await asyncio.gather(*streams, return_exceptions=True)
         after = await first_logprob(client, vllm.model)
