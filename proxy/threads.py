@@ -269,7 +269,10 @@ class Threads:
         # A thread in memory that the call continues by more than one message after its echo may
         # be an older one: another proxy may have served the calls between (round robin).
         stale = not isinstance(found, str) and len(messages) > len(found[0].messages) + 2
-        if (isinstance(found, str) or stale) and recorded is not None and self.restore(session_id, await recorded()):
+        # Only a call that holds an assistant answer can continue a thread: no read for the others.
+        answered = any(m.get("role") == "assistant" for m in messages[:-1])
+        read = (isinstance(found, str) and answered) or stale
+        if read and recorded is not None and self.restore(session_id, await recorded()):
             found = self._continued(session_id, messages, tools)
         if isinstance(found, str):
             return Plan(None, found)

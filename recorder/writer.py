@@ -31,7 +31,7 @@ log = logging.getLogger("rl_proxy.recorder")
 Op = Callable[[Connection], object]
 Write = CallRecord | Op
 MAX_BATCH = 512
-ATTEMPTS = 3  # of a batch, when its connection dropped or its call numbers were taken meanwhile
+ATTEMPTS = 4  # of a batch: as numbered, then when its connection dropped or its call numbers were taken
 
 
 class Writer:
@@ -89,9 +89,10 @@ class Writer:
     def _commit_sync(self, writes: list[Write]) -> list[Any]:
         """Commit `writes` in one transaction; what each resolves to. A connection the server
         dropped (a restart) is replaced and the batch sent again, even if it dropped during
-        COMMIT: every write is idempotent, so one that was committed is not written twice. A
-        batch of calls whose numbers another proxy committed after they were read (a unique
-        violation) is numbered anew and sent again."""
+        COMMIT: every write is idempotent, so one that was committed is not written twice. Calls
+        are first inserted as this proxy numbered them, with no query; a unique violation (a
+        number another proxy took, a call already stored) has the batch numbered anew from the
+        database and sent again."""
         for attempt in range(ATTEMPTS):
             if self._conn is None:
                 self._conn = self.engine.connect()
@@ -102,7 +103,10 @@ class Writer:
                     results = {i: w(conn) for i, w in enumerate(writes) if not isinstance(w, CallRecord)}
                     calls = [(i, w) for i, w in enumerate(writes) if isinstance(w, CallRecord)]
                     if calls:
-                        recorded, to_insert = number_calls(conn, [w for _, w in calls])
+                        # First as this proxy numbered them (no query): a unique violation says a
+                        # number or call_id is taken, and the next attempt numbers them anew.
+                        given = [w for _, w in calls]
+                        recorded, to_insert = (given, given) if attempt == 0 else number_calls(conn, given)
                         if to_insert:
                             insert_calls(conn, to_insert)
                         results.update(zip([i for i, _ in calls], recorded, strict=True))
