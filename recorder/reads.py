@@ -5,12 +5,13 @@ engine; `Store` (store.py) adds the writing and the session look-ups by key.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import case, func, or_, select
+from sqlalchemy import Select, bindparam, case, func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -20,6 +21,27 @@ from recorder.records import CallRecord, Completion, LearnerView, SessionInfo, T
 from recorder.schema import CallRow, CompletionRow, GroupRow, LearnerViewRow, RewardRow, RunRow, SessionRow
 
 log = logging.getLogger("rl_proxy.recorder")
+
+
+@functools.cache
+def _recent_threads(limit: int) -> Select[Any]:
+    """`Reads.recent_threads`'s query, the session a parameter: built and compiled once, not at
+    every call that reads its threads back."""
+    calls, completions = CallRow.__table__, CompletionRow.__table__
+    session_id = bindparam("session_id")
+    mine = (calls.c.session_id == session_id, calls.c.thread.is_not(None))
+    later = calls.alias("later")  # the calls that continued one: not correlated with the outer query
+    went_on = later.c.thread["continues"]["call"].as_string()
+    continued = select(went_on).where(later.c.session_id == session_id, went_on.is_not(None))
+    open_ends = calls.c.call_id.not_in(continued)
+    newest = select(calls.c.id).where(*mine).order_by(calls.c.seq.desc()).limit(limit)
+    ends = select(calls.c.id).where(*mine, open_ends).order_by(calls.c.seq.desc()).limit(limit)
+    return (
+        select(calls.c.call_id, calls.c.seq, calls.c.prompt_token_ids, calls.c.thread, completions.c.token_ids)
+        .join(completions, completions.c.call_id == calls.c.id)
+        .where(or_(calls.c.id.in_(newest), calls.c.id.in_(ends)))
+        .order_by(calls.c.seq.desc(), completions.c.choice_index)
+    )
 
 
 def session_info(row: SessionRow, reward: float | None = None, calls: int = 0, failures: int = 0) -> SessionInfo:
@@ -266,23 +288,10 @@ class Reads:
         only what token-in needs: not the request (the whole conversation), the answer or the
         logprobs. The newest `limit` of them, and the newest `limit` that no later call continued
         (the open ends: a main loop waiting while a subagent makes more calls than `limit`). One
-        query, on the (session_id, seq) and call_id indexes."""
-        calls, completions = CallRow.__table__, CompletionRow.__table__
-        mine = (calls.c.session_id == session_id, calls.c.thread.is_not(None))
-        later = calls.alias("later")  # the calls that continued one: not correlated with the outer query
-        went_on = later.c.thread["continues"]["call"].as_string()
-        continued = select(went_on).where(later.c.session_id == session_id, went_on.is_not(None))
-        open_ends = calls.c.call_id.not_in(continued)
-        newest = select(calls.c.id).where(*mine).order_by(calls.c.seq.desc()).limit(limit)
-        ends = select(calls.c.id).where(*mine, open_ends).order_by(calls.c.seq.desc()).limit(limit)
-        query = (
-            select(calls.c.call_id, calls.c.seq, calls.c.prompt_token_ids, calls.c.thread, completions.c.token_ids)
-            .join(completions, completions.c.call_id == calls.c.id)
-            .where(or_(calls.c.id.in_(newest), calls.c.id.in_(ends)))
-            .order_by(calls.c.seq.desc(), completions.c.choice_index)
-        )
+        query, on the (session_id, seq) and call_id indexes, built once per `limit`."""
+        query = _recent_threads(limit)
         async with self.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
+            rows = (await conn.execute(query, {"session_id": session_id})).all()
         found: dict[str, ThreadRecord] = {}
         for r in rows:
             found.setdefault(r.call_id, ThreadRecord(r.call_id, r.seq, r.prompt_token_ids, [], r.thread))

@@ -1,0 +1,156 @@
+"""Where one call's milliseconds go in rl-proxy (`make bench-profile`): one client calls the
+proxy in front of the STUB upstream (benchmarks/support/stub_upstream.py, not vLLM) answering
+at once, while py-spy samples every thread of the proxy's process; each sample is put in the
+first part of the table whose frame it holds, and a part's CPU time is divided by the calls
+made meanwhile. The direct call to the stub and the call through the proxy are timed first, one
+after the other, 400 calls each (medians).
+
+Two shapes of call: `new` (one user message, a new thread in one session: what the overhead
+benchmark sends) and `continuing` (conversations of 8 calls, each continuing the thread of the one
+before, so token-in renders it; the profile's calls are 7 in 8 continuing, 1 in 8 new).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.support.stack import process
+from benchmarks.support.stub_upstream import MODEL
+from proxy.vllm import free_port
+
+# (part, a frame that puts a sample there), first match wins; the frames are py-spy's names.
+PARTS = [
+    ("record: SQLite commit (fsync)", "do_commit"),
+    ("record: insert (SQLAlchemy Core)", "insert_calls"),
+    ("record: writer, other", "Writer._commit_sync"),
+    ("store read (token-in's threads)", "recent_threads|aiosqlite"),
+    ("token-in: render (/tokenize)", r"\brender \(proxy"),
+    ("token-in: planning", "Threads.plan|Threads.add"),
+    ("upstream call (aiohttp client)", "open_upstream|Upstream.send|Upstream.read|aiohttp/client"),
+    ("building the record", "Call.record|Call.commit|Store.record"),
+    ("HTTP server, routing, handler", "uvicorn|starlette|fastapi|proxy/"),
+    ("event loop: waiting (epoll)", "EpollSelector.select"),
+    ("event loop and threads, other", ""),
+]
+
+
+async def calls(
+    url: str, turns: int, seconds: float | None = None, count: int | None = None
+) -> tuple[list[float], int]:
+    """One client's conversations of `turns` calls, each call continuing the one before (a
+    session each; with `turns` 1, one session of new threads), for `seconds` or until `count`
+    calls are timed: the latencies in ms of the calls after each conversation's first (all of
+    them with `turns` 1), and how many calls were made."""
+    latencies: list[float] = []
+    made = 0
+    end = time.monotonic() + seconds if seconds else None
+    async with aiohttp.ClientSession() as session:
+        while (end is None or time.monotonic() < end) and (count is None or len(latencies) < count):
+            key = f"profile-{turns}-{made if turns > 1 else 0}"
+            messages: list[dict[str, str]] = []
+            for turn in range(turns):
+                messages.append({"role": "user", "content": f"Question {turn} of {key}."})
+                start = time.perf_counter()
+                body = {"model": MODEL, "messages": messages, "max_tokens": 16}
+                async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+                    reply = await resp.json()
+                    if resp.status != 200:
+                        raise RuntimeError(f"{url} answered {resp.status}: {reply}")
+                made += 1
+                if turns == 1 or turn > 0:
+                    latencies.append((time.perf_counter() - start) * 1000)
+                answer = reply["choices"][0]["message"]
+                messages.append({"role": "assistant", "content": answer["content"]})
+    return latencies, made
+
+
+def breakdown(raw: Path, calls_made: int) -> list[tuple[str, float]]:
+    """CPU ms a call for each part, from py-spy's raw (collapsed) samples at 1000 Hz."""
+    found: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        part = next(name for name, frame in PARTS if not frame or re.search(frame, stack))
+        found[part] += int(n)
+    return [(name, found[name] / calls_made) for name, _ in PARTS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long py-spy samples each shape")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rlp-profile-"))
+    stub_port, rlp_port = free_port(), free_port()
+    stub = f"http://127.0.0.1:{stub_port}/v1"
+    py = sys.executable
+    with (
+        process(
+            [py, "-m", "benchmarks.support.stub_upstream", "--port", str(stub_port), "--latency", "0"],
+            f"{stub}/models",
+            work / "stub.log",
+        ),
+        process(
+            [py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(work / "p.db"), "--port", str(rlp_port)],
+            f"http://127.0.0.1:{rlp_port}/healthz",
+            work / "rl-proxy.log",
+        ) as proxy,
+    ):
+        direct, through = f"{stub}/chat/completions", f"http://127.0.0.1:{rlp_port}/v1/chat/completions"
+        rows = []
+        for shape, turns in (("new", 1), ("continuing", 8)):
+            asyncio.run(calls(through, turns, count=50))  # warm up
+            medians = {
+                name: statistics.median(asyncio.run(calls(url, turns, count=400))[0])
+                for name, url in (("direct", direct), ("rl-proxy", through))
+            }
+            raw = work / f"{shape}.txt"
+            spy = subprocess.Popen(
+                [
+                    str(Path(py).parent / "py-spy"),
+                    "record",
+                    "--pid",
+                    str(proxy.pid),
+                    "--rate",
+                    "1000",
+                    "--duration",
+                    str(int(args.seconds)),
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "-o",
+                    str(raw),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            made = asyncio.run(calls(through, turns, seconds=args.seconds))[1]
+            if spy.wait(60) != 0 or not raw.exists():
+                raise SystemExit("py-spy could not sample the proxy (it needs ptrace: run as root or allow it)")
+            rows.append((shape, medians, made, breakdown(raw, made)))
+            print(f"  {shape}: done", file=sys.stderr)
+    for shape, medians, made, parts in rows:
+        added = medians["rl-proxy"] - medians["direct"]
+        print(
+            f"\n{shape} calls, 1 client, stub at 0 ms: direct {medians['direct']:.2f} ms, through rl-proxy "
+            f"{medians['rl-proxy']:.2f} ms (added {added:.2f}); CPU ms a call by part ({made} calls sampled)\n"
+        )
+        print("| part | CPU ms a call |")
+        print("|---|---:|")
+        for name, ms in parts:
+            print(f"| {name} | {ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
