@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-scale claude-graph serve
+.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-profile bench-scale claude-graph serve
 
 install: $(STAMP)
 
@@ -98,6 +98,7 @@ fmt:
 
 bench: install
 	$(PY) -m benchmarks.bench_proxy
+	$(PY) -m benchmarks.profile_proxy
 	$(PY) -m benchmarks.soak --bench
 	$(PY) -m benchmarks.bench_trajectories
 	$(PY) -m benchmarks.bench_episodes
@@ -121,6 +122,10 @@ bench-train-step: install
 # loaded in headless Chromium.
 bench-viewer: install
 	$(PY) -m benchmarks.bench_viewer
+
+# Where one call's milliseconds go: py-spy samples the proxy under one client (stub upstream).
+bench-profile: install
+	$(PY) -m benchmarks.profile_proxy
 
 # Full fine-tuning vs LoRA vs two processes (step time, memory), and adapter load vs full reload.
 bench-scale: install

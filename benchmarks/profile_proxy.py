@@ -2,8 +2,9 @@
 proxy in front of the STUB upstream (benchmarks/support/stub_upstream.py, not vLLM) answering
 at once, while py-spy samples every thread of the proxy's process; each sample is put in the
 first part of the table whose frame it holds, and a part's CPU time is divided by the calls
-made meanwhile. The direct call to the stub and the call through the proxy are timed first, one
-after the other, 400 calls each (medians).
+made meanwhile. Timed first, in interleaved rounds: the direct call to the stub, the call through
+the passthrough floor (benchmarks/support/passthrough.py: the same server stack forwarding bytes,
+recording nothing) and the call through rl-proxy.
 
 Two shapes of call: `new` (one user message, a new thread in one session: what the overhead
 benchmark sends) and `continuing` (conversations of 8 calls, each continuing the thread of the one
@@ -29,6 +30,7 @@ from benchmarks.support.stack import process
 from benchmarks.support.stub_upstream import MODEL
 from proxy.vllm import free_port
 
+ROUNDS = 4
 # (part, a frame that puts a sample there), first match wins; the frames are py-spy's names.
 PARTS = [
     ("record: SQLite commit (fsync)", "do_commit"),
@@ -92,9 +94,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="how long py-spy samples each shape")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlp-profile-"))
-    stub_port, rlp_port = free_port(), free_port()
+    stub_port, floor_port, rlp_port = free_port(), free_port(), free_port()
     stub = f"http://127.0.0.1:{stub_port}/v1"
     py = sys.executable
+    serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(work / "p.db"), "--port", str(rlp_port)]
     with (
         process(
             [py, "-m", "benchmarks.support.stub_upstream", "--port", str(stub_port), "--latency", "0"],
@@ -102,49 +105,41 @@ def main() -> None:
             work / "stub.log",
         ),
         process(
-            [py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(work / "p.db"), "--port", str(rlp_port)],
-            f"http://127.0.0.1:{rlp_port}/healthz",
-            work / "rl-proxy.log",
-        ) as proxy,
+            [py, "-m", "benchmarks.support.passthrough", "--port", str(floor_port), "--upstream", stub],
+            f"http://127.0.0.1:{floor_port}/v1/models",
+            work / "passthrough.log",
+        ),
+        process(serve, f"http://127.0.0.1:{rlp_port}/healthz", work / "rl-proxy.log") as proxy,
     ):
-        direct, through = f"{stub}/chat/completions", f"http://127.0.0.1:{rlp_port}/v1/chat/completions"
+        targets = {
+            "direct": f"{stub}/chat/completions",
+            "passthrough": f"http://127.0.0.1:{floor_port}/v1/chat/completions",
+            "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
+        }
         rows = []
         for shape, turns in (("new", 1), ("continuing", 8)):
-            asyncio.run(calls(through, turns, count=50))  # warm up
-            medians = {
-                name: statistics.median(asyncio.run(calls(url, turns, count=400))[0])
-                for name, url in (("direct", direct), ("rl-proxy", through))
-            }
+            latencies: dict[str, list[float]] = {name: [] for name in targets}
+            for url in targets.values():
+                asyncio.run(calls(url, turns, count=50))  # warm up
+            for _ in range(ROUNDS):  # interleaved, so that noise hits all three alike
+                for name, url in targets.items():
+                    latencies[name] += asyncio.run(calls(url, turns, count=100))[0]
+            medians = {name: statistics.median(values) for name, values in latencies.items()}
             raw = work / f"{shape}.txt"
-            spy = subprocess.Popen(
-                [
-                    str(Path(py).parent / "py-spy"),
-                    "record",
-                    "--pid",
-                    str(proxy.pid),
-                    "--rate",
-                    "1000",
-                    "--duration",
-                    str(int(args.seconds)),
-                    "--format",
-                    "raw",
-                    "--nonblocking",
-                    "-o",
-                    str(raw),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            made = asyncio.run(calls(through, turns, seconds=args.seconds))[1]
-            if spy.wait(60) != 0 or not raw.exists():
+            spy = [str(Path(py).parent / "py-spy"), "record", "--pid", str(proxy.pid), "--rate", "1000"]
+            spy += ["--duration", str(int(args.seconds)), "--format", "raw", "--nonblocking", "-o", str(raw)]
+            sampling = subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            made = asyncio.run(calls(targets["rl-proxy"], turns, seconds=args.seconds))[1]
+            if sampling.wait(60) != 0 or not raw.exists():
                 raise SystemExit("py-spy could not sample the proxy (it needs ptrace: run as root or allow it)")
             rows.append((shape, medians, made, breakdown(raw, made)))
             print(f"  {shape}: done", file=sys.stderr)
     for shape, medians, made, parts in rows:
-        added = medians["rl-proxy"] - medians["direct"]
+        floor, added = (medians[name] - medians["direct"] for name in ("passthrough", "rl-proxy"))
         print(
-            f"\n{shape} calls, 1 client, stub at 0 ms: direct {medians['direct']:.2f} ms, through rl-proxy "
-            f"{medians['rl-proxy']:.2f} ms (added {added:.2f}); CPU ms a call by part ({made} calls sampled)\n"
+            f"\n{shape} calls, 1 client, stub upstream at 0 ms, medians of {ROUNDS} interleaved rounds of 100: "
+            f"direct {medians['direct']:.2f} ms; the passthrough floor adds {floor:.2f}, rl-proxy {added:.2f}. "
+            f"rl-proxy's CPU ms a call by part (py-spy, {made} calls sampled):\n"
         )
         print("| part | CPU ms a call |")
         print("|---|---:|")

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import Select, bindparam, case, func, or_, select
+from sqlalchemy import Select, String, bindparam, case, func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -28,7 +28,7 @@ def _recent_threads(limit: int) -> Select[Any]:
     """`Reads.recent_threads`'s query, the session a parameter: built and compiled once, not at
     every call that reads its threads back."""
     calls, completions = CallRow.__table__, CompletionRow.__table__
-    session_id = bindparam("session_id")
+    session_id = bindparam("session_id", type_=String())
     mine = (calls.c.session_id == session_id, calls.c.thread.is_not(None))
     later = calls.alias("later")  # the calls that continued one: not correlated with the outer query
     went_on = later.c.thread["continues"]["call"].as_string()

@@ -1,0 +1,54 @@
+"""The floor under rl-proxy's cost (NOT a proxy anyone should run): the same stack, uvicorn on
+uvloop, FastAPI and one aiohttp session to the upstream, forwarding a chat call's body and answer
+as bytes, recording nothing, translating nothing. benchmarks/profile_proxy.py times it beside
+rl-proxy: what rl-proxy adds above it is its own work.
+Run alone: python -m benchmarks.support.passthrough --port 9001 --upstream http://127.0.0.1:9000/v1
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import uvicorn
+from fastapi import FastAPI, Request, Response
+
+
+def passthrough_app(upstream: str) -> FastAPI:
+    session: list[aiohttp.ClientSession] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        session.append(aiohttp.ClientSession())
+        yield
+        await session[0].close()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        async with session[0].get(f"{upstream}/models") as resp:
+            return Response(await resp.read(), resp.status, media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await request.body()
+        headers = {"Content-Type": "application/json"}
+        async with session[0].post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
+            return Response(await resp.read(), resp.status, media_type="application/json")
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True, help="the upstream's …/v1 URL")
+    args = parser.parse_args()
+    uvicorn.run(passthrough_app(args.upstream), host="127.0.0.1", port=args.port, log_level="warning", loop="uvloop")
+
+
+if __name__ == "__main__":
+    main()
