@@ -31,19 +31,22 @@ from benchmarks.support.stub_upstream import MODEL
 from proxy.vllm import free_port
 
 ROUNDS = 4
-# (part, a frame that puts a sample there), first match wins; the frames are py-spy's names.
+# (part, a frame that puts a sample there): a sample goes to the part of its deepest frame that
+# names one (its leaf first), the first part in this order when a frame names two; py-spy's names.
 PARTS = [
-    ("record: SQLite commit (fsync)", "do_commit"),
-    ("record: insert (SQLAlchemy Core)", "insert_calls"),
-    ("record: writer, other", "Writer._commit_sync"),
-    ("store read (token-in's threads)", "recent_threads|aiosqlite"),
-    ("token-in: render (/tokenize)", r"\brender \(proxy"),
-    ("token-in: planning", "Threads.plan|Threads.add"),
-    ("upstream call (aiohttp client)", "open_upstream|Upstream.send|Upstream.read|aiohttp/client"),
-    ("building the record", "Call.record|Call.commit|Store.record"),
-    ("HTTP server, routing, handler", "uvicorn|starlette|fastapi|proxy/"),
-    ("event loop: waiting (epoll)", "EpollSelector.select"),
-    ("event loop and threads, other", ""),
+    ("record: SQLite commit (fsync)", r"^DefaultDialect\.do_commit "),
+    ("record: insert (SQLAlchemy Core)", r"^insert_calls "),
+    ("record: the writer's other work", r"\(recorder/writer\.py"),
+    ("store reads (sessions, token-in's threads)", r"recent_threads|session_by_key|aiosqlite/"),
+    ("token-in: render (POST /tokenize)", r"^render \(proxy/"),
+    ("token-in: planning", r"^Threads\."),
+    ("upstream call (aiohttp client)", r"\(aiohttp/|^open_upstream |^Upstream\.send |^Upstream\.read "),
+    ("building the record", r"^Call\.record |^Call\.commit |^Store\.record"),
+    ("the proxy's handler, the rest", r"\((proxy|recorder)/"),
+    ("the event loop (asyncio's, or uvloop's C code), waiting too", r"\(asyncio/|\(selectors\.py"),
+    ("HTTP server (uvicorn, Starlette, FastAPI)", r"\((uvicorn|starlette|fastapi)/"),
+    ("a worker thread waiting for work", r"^_worker \(concurrent/futures/thread\.py"),
+    ("event loop, threads, the rest", ""),
 ]
 
 
@@ -82,11 +85,17 @@ def breakdown(raw: Path, calls_made: int) -> list[tuple[str, float]]:
     found: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        if not stack:
-            continue
-        part = next(name for name, frame in PARTS if not frame or re.search(frame, stack))
-        found[part] += int(n)
+        if stack:
+            found[_part(stack.split(";"))] += int(n)
     return [(name, found[name] / calls_made) for name, _ in PARTS]
+
+
+def _part(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for name, pattern in PARTS[:-1]:
+            if re.search(pattern, frame):
+                return name
+    return PARTS[-1][0]
 
 
 def main() -> None:
@@ -145,6 +154,7 @@ def main() -> None:
         print("|---|---:|")
         for name, ms in parts:
             print(f"| {name} | {ms:.3f} |")
+        print(f"| all | {sum(ms for _, ms in parts):.3f} |")
 
 
 if __name__ == "__main__":
