@@ -11,7 +11,7 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -387,3 +387,22 @@ def test_threads_read_back_know_which_a_later_call_continued() -> None:
     assert threads.restore("s", [record(3, 1), record(2, None), record(1, None)])  # newest first
     kept = {t.call_id: t.continued for t in threads.cache["s"]}
     assert kept == {"c1": {0: "c3"}, "c2": {}, "c3": {}}  # by call id, which renumbering cannot move
+
+
+async def test_only_a_call_that_holds_an_answer_reads_the_sessions_threads_back() -> None:
+    """Issue 49: every call that no thread in memory continued read the session's recorded threads
+    (one query, a third of a call's cost in a long session), though a call whose messages hold no
+    assistant answer continues nothing. A call that does hold one still reads them."""
+    reads: list[str] = []
+
+    async def recorded() -> list[ThreadRecord]:
+        reads.append("read")
+        return []
+
+    threads, upstream = Threads(), cast(Any, SimpleNamespace(base_url="http://upstream/v1"))
+    ask = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    first = await threads.plan(upstream, "s", {"model": "m", "messages": ask}, "c1", recorded)
+    assert first.prompt_ids is None and reads == []
+    follow = [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    await threads.plan(upstream, "s", {"model": "m", "messages": follow}, "c2", recorded)
+    assert reads == ["read"]

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from benchmarks.support.samples import call
 from proxy.state import CallNumbers
@@ -107,6 +107,19 @@ async def test_two_stores_on_one_session_number_calls_without_collisions(db: str
         calls = [c async for c in one.iter_calls("a")]
     assert [c.seq for c in calls] == list(range(1, 27))
     assert [c.completions[0].token_ids for c in calls[:6]] == [[t] for t in range(6)]
+
+
+async def test_calls_numbered_by_their_proxy_are_inserted_without_a_query(db: str) -> None:
+    """Issue 49: each commit read the calls' numbers and ids back (two SELECTs) before inserting,
+    though one proxy's numbers are nearly always free. Now the database is asked only after a
+    unique violation says a number or call id is taken (the test above)."""
+    async with Store(db) as store:
+        await store.resolve_session(SessionInfo(id="a", key="a"))
+        sent: list[str] = []
+        event.listen(store.write_engine, "before_cursor_execute", lambda *args: sent.append(args[2]))
+        recorded = await asyncio.gather(*(store.record_nowait(call("a", seq, [seq])) for seq in (1, 2, 3)))
+        assert [c.seq for c in recorded] == [1, 2, 3]
+        assert sent and not [sql for sql in sent if sql.lstrip().upper().startswith("SELECT")], sent
 
 
 async def test_call_numbers_continue_a_stored_session_and_stay_bounded(db: str) -> None:
