@@ -36,6 +36,7 @@ ROUNDS = 4
 PARTS = [
     ("record: SQLite commit (fsync)", r"^DefaultDialect\.do_commit "),
     ("record: insert (SQLAlchemy Core)", r"^insert_calls "),
+    ("record: numbering the calls (two SELECTs, before issue 49)", r"^number_calls "),
     ("record: the writer's other work", r"\(recorder/writer\.py"),
     ("store reads (sessions, token-in's threads)", r"recent_threads|session_by_key|aiosqlite/"),
     ("token-in: render (POST /tokenize)", r"^render \(proxy/"),
