@@ -95,7 +95,7 @@ def run(settings: Settings) -> int:
         shown = ", ".join(u.base_url for u in app.state.rlp.upstreams.members)  # without credentials
         print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {shown}; db {shown_url(settings.db)}")
         # uvloop, as uvicorn picks when it runs the loop itself (AppThread): asyncio's own loop
-        # cost about a fifth of the proxy's CPU a call (benchmarks/profile_proxy.py).
+        # costs more a call (docs/benchmarks.md, "Where the milliseconds go").
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(main())
         return 1 if died else 0

@@ -1,5 +1,6 @@
-"""The writer thread's SQL for a batch of calls: numbering them, then inserting them with their
-completions in three statements. Used by store.Store on its writer connection."""
+"""The writer thread's SQL for a batch of calls: inserting them with their completions in two
+statements, and numbering them from the database (after a unique violation). Used by
+store.Store on its writer connection."""
 
 from __future__ import annotations
 
