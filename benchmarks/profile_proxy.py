@@ -1,8 +1,8 @@
 """Where one call's milliseconds go in rl-proxy (`make bench-profile`): one client calls the
 proxy in front of the STUB upstream (benchmarks/support/stub_upstream.py, not vLLM) answering
-at once, while py-spy samples every thread of the proxy's process; each sample is put in the
-first part of the table whose frame it holds, and a part's CPU time is divided by the calls
-made meanwhile. Timed first, in interleaved rounds: the direct call to the stub, the call through
+at once, while py-spy samples every thread of the proxy's process; each sample goes to the part
+of its deepest frame that names one (PARTS), and a part's CPU time is divided by the calls made
+meanwhile. Timed first, in interleaved rounds: the direct call to the stub, the call through
 the passthrough floor (benchmarks/support/passthrough.py: the same server stack forwarding bytes,
 recording nothing) and the call through rl-proxy.
 
@@ -31,6 +31,7 @@ from benchmarks.support.stub_upstream import MODEL
 from proxy.vllm import free_port
 
 ROUNDS = 4
+RATE = 1000  # py-spy's samples a second
 # (part, a frame that puts a sample there): a sample goes to the part of its deepest frame that
 # names one (its leaf first), the first part in this order when a frame names two; py-spy's names.
 PARTS = [
@@ -82,13 +83,13 @@ async def calls(
 
 
 def breakdown(raw: Path, calls_made: int) -> list[tuple[str, float]]:
-    """CPU ms a call for each part, from py-spy's raw (collapsed) samples at 1000 Hz."""
+    """CPU ms a call for each part, from py-spy's raw (collapsed) samples at RATE a second."""
     found: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if stack:
             found[_part(stack.split(";"))] += int(n)
-    return [(name, found[name] / calls_made) for name, _ in PARTS]
+    return [(name, found[name] * 1000 / RATE / calls_made) for name, _ in PARTS]
 
 
 def _part(frames: list[str]) -> str:
@@ -136,7 +137,7 @@ def main() -> None:
                     latencies[name] += asyncio.run(calls(url, turns, count=100))[0]
             medians = {name: statistics.median(values) for name, values in latencies.items()}
             raw = work / f"{shape}.txt"
-            spy = [str(Path(py).parent / "py-spy"), "record", "--pid", str(proxy.pid), "--rate", "1000"]
+            spy = [str(Path(py).parent / "py-spy"), "record", "--pid", str(proxy.pid), "--rate", str(RATE)]
             spy += ["--duration", str(int(args.seconds)), "--format", "raw", "--nonblocking", "-o", str(raw)]
             sampling = subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             made = asyncio.run(calls(targets["rl-proxy"], turns, seconds=args.seconds))[1]

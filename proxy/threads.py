@@ -270,8 +270,7 @@ class Threads:
         # be an older one: another proxy may have served the calls between (round robin).
         stale = not isinstance(found, str) and len(messages) > len(found[0].messages) + 2
         # Only a call that holds an assistant answer can continue a thread: no read for the others.
-        answered = any(m.get("role") == "assistant" for m in messages[:-1])
-        read = (isinstance(found, str) and answered) or stale
+        read = stale or (isinstance(found, str) and any(m.get("role") == "assistant" for m in messages[:-1]))
         if read and recorded is not None and self.restore(session_id, await recorded()):
             found = self._continued(session_id, messages, tools)
         if isinstance(found, str):

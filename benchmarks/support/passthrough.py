@@ -17,26 +17,24 @@ from fastapi import FastAPI, Request, Response
 
 
 def passthrough_app(upstream: str) -> FastAPI:
-    session: list[aiohttp.ClientSession] = []
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        session.append(aiohttp.ClientSession())
-        yield
-        await session[0].close()
+        async with aiohttp.ClientSession() as app.state.session:
+            yield
 
     app = FastAPI(lifespan=lifespan)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        async with session[0].get(f"{upstream}/models") as resp:
+    async def models(request: Request) -> Response:
+        async with request.app.state.session.get(f"{upstream}/models") as resp:
             return Response(await resp.read(), resp.status, media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await request.body()
         headers = {"Content-Type": "application/json"}
-        async with session[0].post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
+        session = request.app.state.session
+        async with session.post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
             return Response(await resp.read(), resp.status, media_type="application/json")
 
     return app

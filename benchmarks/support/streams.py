@@ -55,10 +55,9 @@ async def streams_in_flight(
     return streams
 
 
-async def _metrics(root: str) -> dict[str, float]:
+async def _metrics(http: httpx.AsyncClient, root: str) -> dict[str, float]:
     """vLLM's Prometheus metrics, each summed over its labels (engines)."""
-    async with httpx.AsyncClient(timeout=30) as http:
-        text = (await http.get(f"{root}/metrics")).raise_for_status().text
+    text = (await http.get(f"{root}/metrics")).raise_for_status().text
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -70,15 +69,15 @@ async def _freeze_when_sampling(root: str, n: int, streams: list[asyncio.Task[st
     """Pause vLLM at `root` once `n` requests run and, after that, one more step has sampled a
     token for each."""
     running_at: float | None = None
-    while not any(s.done() for s in streams):
-        found = await _metrics(root)
-        tokens = found.get("vllm:generation_tokens_total", 0.0)
-        if running_at is None and found.get("vllm:num_requests_running", 0) >= n:
-            running_at = tokens
-        if running_at is not None and tokens >= running_at + n:
-            break
-        await asyncio.sleep(0.02)
     async with httpx.AsyncClient(timeout=60) as http:
+        while not any(s.done() for s in streams):
+            found = await _metrics(http, root)
+            tokens = found.get("vllm:generation_tokens_total", 0.0)
+            if running_at is None and found.get("vllm:num_requests_running", 0) >= n:
+                running_at = tokens
+            if running_at is not None and tokens >= running_at + n:
+                break
+            await asyncio.sleep(0.02)
         (await http.post(f"{root}/pause", params={"mode": "keep"})).raise_for_status()
 
 
