@@ -9,7 +9,7 @@ Unknown keys are refused by name. Paths are relative to the config file. Example
     concurrency: 4
     timeout: 120                # seconds per episode
     harness:
-      type: python              # python | command | agents_sdk | langchain
+      type: python              # python | command | mini | claude-code | codex | agents_sdk | langchain
       agent: agent.py:agent
     environment:
       type: host                # host | bubblewrap | container (harness_adapters/environments/)
@@ -40,8 +40,11 @@ from harness_adapters.harnesses import (
     AgentsSdkAdapter,
     CommandAdapter,
     LangChainAdapter,
+    PresetError,
+    PresetName,
     PythonAdapter,
     load_callable,
+    preset,
 )
 from harness_adapters.rewards import Reward, RewardSource
 from harness_adapters.tasks import Task
@@ -103,9 +106,25 @@ class LangChainHarness(Strict):
         return LangChainAdapter(load_callable(path(self.make_agent)), self.use_responses_api)
 
 
+class PresetHarness(Strict):
+    """mini-swe-agent, Claude Code or Codex CLI, unchanged, inside the episode's container, its
+    runtime mounted from this machine (harnesses/presets.py)."""
+
+    type: PresetName
+    args: list[str] = Field(default_factory=list, description="more arguments for its command line, templated")
+    env: dict[str, str] = Field(default_factory=dict, description="extra variables, templated")
+    runtime: str | None = Field(None, description="the host path of its runtime [default: found on this machine]")
+
+    def command(self) -> CommandHarness:
+        found = preset(self.type, self.runtime)
+        return CommandHarness(
+            type="command", argv=found.argv + self.args, env={**found.env, **self.env}, files=found.files
+        )
+
+
 # The kinds a config's `harness:` may name, told apart by `type`.
 HarnessConfig = Annotated[
-    PythonHarness | CommandHarness | AgentsSdkHarness | LangChainHarness, Field(discriminator="type")
+    PythonHarness | CommandHarness | PresetHarness | AgentsSdkHarness | LangChainHarness, Field(discriminator="type")
 ]
 
 
@@ -158,6 +177,13 @@ class CollectConfig(Strict):
 
     def adapter(self) -> Adapter:
         harness = self.harness
+        if isinstance(harness, PresetHarness):
+            if not isinstance(self.environment, ContainerEnvironment):
+                raise ConfigError(f"harness: the {harness.type} preset runs in `environment: {{type: container}}`")
+            try:
+                harness = harness.command()
+            except PresetError as exc:
+                raise ConfigError(f"harness: {exc}") from exc
         if isinstance(harness, CommandHarness):  # its argv in the environment's sandbox, if any
             harness = harness.model_copy(update={"argv": self.environment.wrap(harness.argv)})
         elif isinstance(self.environment, ContainerEnvironment):
@@ -171,6 +197,8 @@ class CollectConfig(Strict):
         """The environment with its mounts relative to the config's directory."""
         if isinstance(self.environment, ContainerEnvironment):
             mounts = {self.path(host): inside for host, inside in self.environment.mounts.items()}
+            if isinstance(self.harness, PresetHarness):  # its runtime (adapter() named what is missing)
+                mounts |= preset(self.harness.type, self.harness.runtime).mounts
             return self.environment.model_copy(update={"mounts": mounts})
         return self.environment
 

@@ -52,6 +52,7 @@ def stub_app(
     break_at: int | None = None,
     die_at: int | None = None,
     answer: str = "stub answer",
+    answers: list[str] | None = None,
     provider_key: str | None = None,
     stream_words: list[str] | None = None,
     choiceless_first: bool = False,
@@ -72,7 +73,9 @@ def stub_app(
     each) a stream calls those tools as vLLM's tool parser streams them: a call's id and name in
     its first delta, its arguments in pieces after, one token a chunk. It renders chats as
     `render` says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
-    (`kv_transfer_params.prompt_token_ids`) as vLLM does."""
+    (`kv_transfer_params.prompt_token_ids`) as vLLM does. With `answers`, a scripted model: a
+    whole answer's text is the conversation's nth (n: its assistant messages so far; the last
+    one after)."""
     app = FastAPI()
     served: list[int] = []  # chat calls answered so far
 
@@ -103,11 +106,13 @@ def stub_app(
         prompt = given or render(body.get("messages") or [])
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
         if not body.get("stream"):
+            turn = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or [])
+            text = answers[min(turn, len(answers) - 1)] if answers else answer
             out = {
                 **head,
                 "object": "chat.completion",
                 "prompt_token_ids": prompt,
-                "choices": [_choice(False, 0, answer, COMPLETION, "stop")],
+                "choices": [_choice(False, 0, text, COMPLETION, "stop")],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(COMPLETION)},
             }
             if provider_key is not None:

@@ -73,7 +73,8 @@ class CommandAdapter:
 
     In a container (`box`), the command runs there instead, in the image's working directory
     (which `{workdir}` names), with only the endpoint's variables and `env`; `files` are written
-    there; its output still goes to harness.log and harness.stdout in the episode's workdir."""
+    there, or where an absolute name says; its output still goes to harness.log and
+    harness.stdout in the episode's workdir."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
@@ -91,7 +92,10 @@ class CommandAdapter:
         except (KeyError, ValueError, IndexError) as exc:
             return Outcome("failed", error=f"bad template in the command adapter: {exc!r}")
         if box is not None:
-            await box.put({name: content.encode() for name, content in files.items()})
+            here = {name: content.encode() for name, content in files.items() if not name.startswith("/")}
+            await box.put(here)
+            if placed := {name[1:]: content.encode() for name, content in files.items() if name.startswith("/")}:
+                await box.put(placed, "/")
             return await self._in_box(box, argv, extra, workdir, timeout)
         for relative, content in files.items():
             target = workdir / relative

@@ -32,6 +32,8 @@ MINI = CommandAdapter(
         "agent.step_limit=2",
         "-c",
         "agent.cost_limit=0",
+        "--model-class",  # the text-based config's model: actions in fenced blocks, not tool calls
+        "litellm_textbased",
         "-m",
         "openai/{model}",
         "-t",

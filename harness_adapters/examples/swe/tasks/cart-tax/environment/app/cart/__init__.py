@@ -1,0 +1,3 @@
+from cart.checkout import total
+
+__all__ = ["total"]

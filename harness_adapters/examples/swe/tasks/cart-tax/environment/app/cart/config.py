@@ -1,0 +1,1 @@
+TAX_PERCENT = 8  # sales tax, in per cent

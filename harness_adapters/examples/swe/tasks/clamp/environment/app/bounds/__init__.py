@@ -1,0 +1,3 @@
+from bounds.limits import clamp
+
+__all__ = ["clamp"]

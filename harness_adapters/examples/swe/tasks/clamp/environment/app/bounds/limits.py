@@ -1,0 +1,3 @@
+def clamp(value, low, high):
+    """`value`, moved into [low, high]."""
+    return max(high, min(low, value))

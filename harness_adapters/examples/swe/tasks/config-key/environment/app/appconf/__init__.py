@@ -1,0 +1,3 @@
+from appconf.settings import load, timeout
+
+__all__ = ["load", "timeout"]

@@ -1,0 +1,3 @@
+from shop.prices import discounted
+
+__all__ = ["discounted"]

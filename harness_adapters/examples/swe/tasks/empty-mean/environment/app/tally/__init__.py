@@ -1,0 +1,3 @@
+from tally.summary import mean, spread
+
+__all__ = ["mean", "spread"]

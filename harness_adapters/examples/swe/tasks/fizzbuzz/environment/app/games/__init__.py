@@ -1,0 +1,3 @@
+from games.fizz import fizzbuzz
+
+__all__ = ["fizzbuzz"]

@@ -1,0 +1,3 @@
+from seqtools.ends import first, last
+
+__all__ = ["first", "last"]

@@ -1,0 +1,3 @@
+from dates.years import days_in_year, is_leap
+
+__all__ = ["days_in_year", "is_leap"]

@@ -1,0 +1,3 @@
+from peaks.find import argmax
+
+__all__ = ["argmax"]

@@ -1,0 +1,3 @@
+from medians.middle import median
+
+__all__ = ["median"]

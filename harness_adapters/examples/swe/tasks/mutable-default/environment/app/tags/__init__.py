@@ -1,0 +1,3 @@
+from tags.store import add_tag
+
+__all__ = ["add_tag"]

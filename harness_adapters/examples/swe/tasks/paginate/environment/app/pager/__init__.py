@@ -1,0 +1,3 @@
+from pager.pages import page, page_count
+
+__all__ = ["page", "page_count"]

@@ -1,0 +1,3 @@
+from series.sums import total, total_squares
+
+__all__ = ["total", "total_squares"]

@@ -1,0 +1,3 @@
+from colors.hexcode import to_hex
+
+__all__ = ["to_hex"]

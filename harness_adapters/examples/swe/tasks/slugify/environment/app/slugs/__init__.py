@@ -1,0 +1,3 @@
+from slugs.make import slugify
+
+__all__ = ["slugify"]

@@ -1,0 +1,110 @@
+"""The SWE-style example (harness_adapters/examples/swe) on a real engine (Podman, the tasks' base
+image from Debian's packages): its tasks tell a fix from nothing; the harness presets (mini-swe-
+agent, Claude Code, Codex CLI) run unchanged inside each episode's container, and against the
+real vLLM each records its calls under the episode's session as exact sequences and fixes
+nothing; with a scripted model (a stub upstream, NOT vLLM) mini-swe-agent's commands fix the bug
+in the very container the hidden tests score."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.support.stack import Upstream, read_store
+from benchmarks.support.stub_upstream import stub_app
+from harness_adapters.collect import collect
+from harness_adapters.config import CollectConfig, PresetHarness, load_config
+from harness_adapters.environments import ContainerEnvironment
+from harness_adapters.environments.containers import OWNER
+from harness_adapters.environments.oracle import check_tasks
+from harness_adapters.tasks.harbor import load_harbor
+from proxy.server import AppThread
+from recorder.graph import build_sequences
+
+SWE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "swe"
+FIX = "sed -i 's/width + height/width * height/' shapes/area.py"
+
+
+def _config(tmp_path: Path, harness: PresetHarness, upstream: str, task: str = "rect-area") -> CollectConfig:
+    """The shipped collect config on one task, one episode, with `harness`; the task's agent
+    timeout cut to 120 s (a 135M model seldom ends a harness's loop by itself)."""
+    tasks = tmp_path / "tasks"
+    if not tasks.exists():
+        shutil.copytree(SWE / "tasks" / task, tasks / task)
+        toml = tasks / task / "task.toml"
+        toml.write_text(toml.read_text().replace("timeout_sec = 300.0", "timeout_sec = 120.0"))
+    config = load_config(SWE / "collect.yaml", CollectConfig)
+    config = config.model_copy(
+        update={"tasks": str(tasks), "episodes_per_task": 1, "out": str(tmp_path / harness.type), "harness": harness}
+    )
+    config.proxy.upstream = upstream
+    return config
+
+
+def _left(engine: Any) -> list[str]:
+    return [c.name for c in engine.containers.list(all=True, filters={"label": OWNER})]
+
+
+# One task of each kind of bug, of both splits: `rl-proxy tasks check harness_adapters/examples/swe/tasks`
+# checks all 24 (docs/environments.md), 24 image builds on a fresh machine.
+CHECKED = {"rect-area", "range-sum", "empty-mean", "config-key", "mutable-default", "cart-tax"}
+
+
+def test_the_swe_tasks_score_their_fix_1_and_nothing_0(container_engine: Any, tmp_path: Path) -> None:
+    tasks = load_harbor(SWE / "tasks")
+    assert len(tasks) == 24 and sum(t.held_out for t in tasks) == 8
+    tasks = [t for t in tasks if t.id in CHECKED]
+    results = asyncio.run(check_tasks(ContainerEnvironment(), tasks, tmp_path, concurrency=2))
+    assert {r.task: (r.oracle_reward, r.noop_reward, r.error) for r in results} == {
+        t.id: (1.0, 0.0, None) for t in tasks
+    }
+    assert _left(container_engine) == []
+
+
+def test_mini_acts_in_the_container_the_hidden_tests_score(container_engine: Any, tmp_path: Path) -> None:
+    """A scripted model (a stub upstream, NOT vLLM) answers mini-swe-agent with the fix, then
+    mini's own submit: the task's hidden tests see the fixed file."""
+    answers = [
+        f"THOUGHT: the area multiplies.\n\n```mswea_bash_command\n{FIX}\n```",
+        "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+    ]
+    with AppThread(stub_app(answers=answers)) as stub:
+        [result] = collect(_config(tmp_path, PresetHarness(type="mini"), f"{stub.url}/v1"), progress=False)[0]
+    assert result.session.outcome and result.session.outcome.harness == "ok", result.error
+    assert (result.status, result.reward, result.calls) == ("ok", 1.0, 2)
+    assert _left(container_engine) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_each_preset_records_exact_sequences_in_the_container_and_fixes_nothing(
+    vllm: Upstream, container_engine: Any, tmp_path: Path
+) -> None:
+    """The real SmolLM2-135M through each preset, unchanged, on one task: every call through the
+    episode's gateway, recorded under its session with its tokens, each call in an exact
+    sequence; the hidden tests score the untouched bug 0."""
+    presets = {
+        "mini": (PresetHarness(type="mini", args=["-c", "agent.step_limit=2"]), "chat.completions"),
+        "claude-code": (
+            PresetHarness(type="claude-code", args=["--max-turns", "2"], env={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}),
+            "anthropic.messages",
+        ),
+        "codex": (PresetHarness(type="codex"), "openai.responses"),
+    }
+    for name, (harness, api) in presets.items():
+        [result] = collect(_config(tmp_path, harness, vllm.url), progress=False)[0]
+        assert (result.status, result.reward) == ("ok", 0.0), (name, result.error)
+        calls = read_store(str(tmp_path / name / "rl-proxy.db"), lambda s, sid=result.session_id: _calls(s, sid))
+        assert calls and all(c.ok and c.api == api and c.completions[0].token_ids for c in calls), name
+        report = build_sequences(calls)
+        assert sum(len(s.calls) for s in report.sequences) == report.calls == len(calls), (name, report)
+        assert not report.skipped, name
+    assert _left(container_engine) == []
+
+
+async def _calls(store: Any, session_id: str) -> list[Any]:
+    return [c async for c in store.iter_calls(session_id)]
