@@ -1,6 +1,6 @@
 """The short soaks in `make test` (`make soak` and `make soak-scale` run the long ones), against
 the STUB upstream (not vLLM): 64 sessions making multi-turn calls through `rl-proxy serve` for
-20 s on each store, nothing lost or mismatched and the proxy's memory flat; and the scale soak
+12 s on each store, nothing lost or mismatched and the proxy's memory flat; and the scale soak
 in small: sessions moving between two proxies behind nginx on PostgreSQL through a SIGKILL,
 cut database connections and a database crash."""
 
@@ -24,7 +24,7 @@ def test_64_sessions_multi_turn_nothing_lost_memory_flat(db: str, tmp_path: Path
         process(cmd, f"http://127.0.0.1:{port}/v1/models", tmp_path / "stub.log"),
         proxy(f"http://127.0.0.1:{port}/v1", db, tmp_path / "proxy.log") as (base, pid),
     ):
-        load = asyncio.run(run_load(base, 64, 20, KINDS, pid))
+        load = asyncio.run(run_load(base, 64, 12, KINDS, pid))
     assert not load.errors, load.errors[:5]
     assert len(load.answered) > 64 * 5  # every session got several turns in
     assert verify(db, load) == []

@@ -90,13 +90,19 @@ def test_each_preset_records_exact_sequences_in_the_container_and_fixes_nothing(
     presets = {
         "mini": (PresetHarness(type="mini", args=["-c", "agent.step_limit=2"]), "chat.completions"),
         "claude-code": (
-            PresetHarness(type="claude-code", args=["--max-turns", "2"], env={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}),
+            PresetHarness(
+                type="claude-code",
+                args=["--max-turns", "2", "--system-prompt", "Fix the bug with your tools."],  # its own: ~5,000 tokens
+                env={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"},
+            ),
             "anthropic.messages",
         ),
         "codex": (PresetHarness(type="codex"), "openai.responses"),
     }
     for name, (harness, api) in presets.items():
-        [result] = collect(_config(tmp_path, harness, vllm.url), progress=False)[0]
+        config = _config(tmp_path, harness, vllm.url)
+        config.proxy.max_completion_tokens = 48  # short answers: the harness is tested here, not the model
+        [result] = collect(config, progress=False)[0]
         assert (result.status, result.reward) == ("ok", 0.0), (name, result.error)
         calls = read_store(str(tmp_path / name / "rl-proxy.db"), lambda s, sid=result.session_id: _calls(s, sid))
         assert calls and all(c.ok and c.api == api and c.completions[0].token_ids for c in calls), name
