@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-profile bench-scale claude-graph serve
+.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-profile bench-scale bench-environments claude-graph serve
 
 install: $(STAMP)
 
@@ -102,6 +102,7 @@ bench: install
 	$(PY) -m benchmarks.soak --bench
 	$(PY) -m benchmarks.bench_trajectories
 	$(PY) -m benchmarks.bench_episodes
+	$(PY) -m benchmarks.bench_environments
 	$(PY) -m benchmarks.bench_rollouts
 	$(PY) -m benchmarks.bench_token_in
 	$(PY) -m benchmarks.bench_train
@@ -126,6 +127,11 @@ bench-viewer: install
 # Where one call's milliseconds go: py-spy samples the proxy under one client (stub upstream).
 bench-profile: install
 	$(PY) -m benchmarks.profile_proxy
+
+# Where an episode runs: host, bubblewrap, a container (cold, cached image, warm pool), and
+# containers 4 and 16 at a time with and without the warm pool (stub upstream).
+bench-environments: install system
+	$(PY) -m benchmarks.bench_environments
 
 # Full fine-tuning vs LoRA vs two processes (step time, memory), and adapter load vs full reload.
 bench-scale: install

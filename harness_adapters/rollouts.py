@@ -92,6 +92,7 @@ class Rollouts:
                 if self.curriculum is not None:
                     self.curriculum.record(task.id, result.success(self.curriculum.success_at))
 
+        self.runner.expect([task] * self.episodes_per_task)  # those that wait for room start warm
         await asyncio.gather(*(one(n) for n in range(self.episodes_per_task)))
         self.groups_made += 1
         self.signal_groups += len(set(rewards)) > 1
@@ -168,5 +169,6 @@ async def success_rate(
                 done(result.success(success_at))
             return result.success(success_at)
 
+        runner.expect([t for t in tasks for _ in range(episodes_per_task)])
         wins = await asyncio.gather(*(one(t, n) for t in tasks for n in range(episodes_per_task)))
     return sum(wins) / max(len(wins), 1)

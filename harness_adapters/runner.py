@@ -145,8 +145,15 @@ class EpisodeRunner:
                     done(result)
                 return result
 
+            self.expect([task for task in tasks for _ in range(episodes_per_task)])
             work = [one(task, n) for task in tasks for n in range(episodes_per_task)]
             return list(await asyncio.gather(*work))
+
+    def expect(self, tasks: list[Task]) -> None:
+        """The episodes to come, in order (a container environment's warm pool starts on them),
+        where they run on this machine."""
+        if self.engine is None:
+            self.environment.expect(tasks)
 
     async def episode(self, admin: AdminClient, task: Task, n: int, group: str | None = None) -> EpisodeResult:
         """One episode, in the GRPO group `group` (default: run/task), here or on the engine's

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import httpx
 import pytest
 
 from benchmarks.soak_scale import nginx_bin
+from benchmarks.support.engine import engine_at, with_base_image
 from benchmarks.support.postgres import postgres_bin, temp_postgres
 from benchmarks.support.ray_cluster import local_cluster
 from benchmarks.support.stack import RunningProxy, Upstream, new_database
@@ -104,37 +103,15 @@ def nginx() -> str:
 
 
 @pytest.fixture(scope="session")
-def engine_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def engine_service() -> Iterator[str]:
     """The DOCKER_HOST of a container engine with the tasks' base image built: the one set, else
     Podman's Docker-compatible service started here (tests/podman.conf), once per test run. The
     base image is built from Debian's packages if the engine lacks it."""
-    from harness_adapters.environments.containers import BASE_IMAGE, _exists, base_image, engine
-
-    given = os.environ.get("DOCKER_HOST")
-    service = None
-    if not given:
-        podman = system_tool("podman")
+    if not os.environ.get("DOCKER_HOST"):
         system_tool("runc")
-        socket = tmp_path_factory.mktemp("podman") / "podman.sock"
-        env = {**os.environ, "CONTAINERS_CONF": str(Path(__file__).with_name("podman.conf"))}
-        service = subprocess.Popen([podman, "system", "service", "--time=0", f"unix://{socket}"], env=env)
-        deadline = time.monotonic() + 60
-        while not socket.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-    url = given or f"unix://{socket}"
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("DOCKER_HOST", url)
-            client = engine()
-            if not _exists(client, BASE_IMAGE):
-                system_tool("debootstrap")
-                base_image()
-            client.close()
+    with engine_at(lambda: system_tool("podman")) as url:
+        with_base_image(url, lambda: system_tool("debootstrap"))
         yield url
-    finally:
-        if service is not None:
-            service.terminate()
-            service.wait(30)
 
 
 @pytest.fixture

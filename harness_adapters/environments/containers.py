@@ -58,6 +58,12 @@ class ContainerEnvironment(HostEnvironment):
     cpus: float | None = Field(None, gt=0, description="CPU limit [default: the task's, else none]")
     memory_mb: int | None = Field(None, gt=0, description="memory limit [default: the task's, else none]")
     mounts: dict[str, str] = Field(default_factory=dict, description="host path -> container path, read-only")
+    warm: int = Field(
+        0,
+        ge=0,
+        description="containers created and started ahead, for the next episodes to come (those waiting for "
+        "their turn); the unused ones are removed at the run's end",
+    )
     network: Literal["gateway", "host"] = Field(
         "gateway",
         description="gateway: only the proxy's model routes, on the container's loopback (needs the engine on this "
@@ -67,11 +73,16 @@ class ContainerEnvironment(HostEnvironment):
     _owner: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
     _builds: dict[str, asyncio.Lock] = PrivateAttr(default_factory=dict)
     _images: dict[str, str | BuildError] = PrivateAttr(default_factory=dict)  # by task folder
+    _ahead: list[Task] = PrivateAttr(default_factory=list)  # episodes announced (expect), not yet begun
+    _pool: dict[str, list[Any]] = PrivateAttr(default_factory=dict)  # started containers, by their settings
+    _filling: asyncio.Task[None] | None = PrivateAttr(None)
+    _taken: int = PrivateAttr(0)
 
     def __getstate__(self) -> dict[Any, Any]:
         """Pickled (a Ray task's copy): the same owner label, no engine connection or builds."""
         state = super().__getstate__()
-        return {**state, "__pydantic_private__": {"_client": None, "_owner": self._owner, "_builds": {}, "_images": {}}}
+        empty: dict[str, Any] = {"_builds": {}, "_images": {}, "_ahead": [], "_pool": {}, "_filling": None, "_taken": 0}
+        return {**state, "__pydantic_private__": {"_client": None, "_owner": self._owner, **empty}}
 
     def client(self) -> DockerClient:
         if self._client is None:
@@ -105,33 +116,83 @@ class ContainerEnvironment(HostEnvironment):
             raise found
         return found
 
+    async def settings(self, task: Task) -> dict[str, Any]:
+        """What a container of `task`'s episodes is created with (its image built first)."""
+        spec = task.harbor
+        cpus = self.cpus or (spec.cpus if spec else None)
+        memory = self.memory_mb or (spec.memory_mb if spec else None)
+        options: dict[str, Any] = {"nano_cpus": int(cpus * 1e9)} if cpus else {}
+        if memory:
+            options["mem_limit"] = f"{memory}m"
+        volumes = {str(Path(host).resolve()): {"bind": inside, "mode": "ro"} for host, inside in self.mounts.items()}
+        network = "host" if self.network == "host" else "none"
+        # `sleep` is the container's PID 1, so that `kill -9 -1` in it ends everything else (the
+        # image's own ENTRYPOINT, an init or a script, would make it PID 2, and the kill its end).
+        return dict(
+            image=await self.image_for(task), entrypoint=["sleep", "infinity"], detach=True, network_mode=network,
+            labels={OWNER: self._owner, "rl-proxy.task": task.id}, volumes=volumes, **options,
+        )  # fmt: skip
+
+    async def start(self, task: Task, settings: dict[str, Any]) -> Any:
+        try:
+            return await asyncio.to_thread(self.client().containers.run, **settings)
+        except Exception as exc:  # the engine's own errors: a missing image, a bad limit
+            raise ContainerError(f"task {task.id}: cannot start a container of {settings['image']}: {exc}") from exc
+
+    @property
+    def warm_taken(self) -> int:
+        """Episodes that began in a container started ahead."""
+        return self._taken
+
+    def expect(self, tasks: list[Task]) -> None:
+        """With `warm`, the containers of the next `warm` of these episodes are started ahead (in
+        the order given, one at a time), and each episode takes one of its settings if there is
+        one. Only where the episodes run on this engine (not a Ray task's copy)."""
+        self._ahead += tasks
+        self._fill()
+
+    def _fill(self) -> None:
+        if self.warm and self._ahead and (self._filling is None or self._filling.done()):
+            self._filling = asyncio.ensure_future(self._top_up())
+
+    async def _top_up(self) -> None:
+        while True:
+            wanted: dict[str, tuple[Task, dict[str, Any], int]] = {}
+            for task in self._ahead[: self.warm]:
+                try:
+                    settings = await self.settings(task)
+                except ContainerError:  # its image: the episode itself says so
+                    continue
+                key = repr(sorted(settings.items()))
+                wanted[key] = (task, settings, wanted.get(key, (task, settings, 0))[2] + 1)
+            short = [
+                (key, task, settings) for key, (task, settings, n) in wanted.items() if len(self._pool.get(key, [])) < n
+            ]
+            if not short:
+                return
+            key, task, settings = short[0]
+            try:
+                container = await self.start(task, settings)
+            except ContainerError:
+                return  # the episode starts its own, and says what failed
+            self._pool.setdefault(key, []).append(container)  # removed by close() if no episode takes it
+
     @contextlib.asynccontextmanager
     async def episode(
         self, task: Task, workdir: Path, proxy_url: str | None = None, key: str = ""
     ) -> AsyncIterator[Box]:
-        """A container for one episode, removed when the episode is over, whatever ends it. With
-        `proxy_url` (and the episode's `key`), the box's `proxy_url` is where the harness inside
-        reaches the proxy."""
-        image = await self.image_for(task)
-        spec = task.harbor
-        cpus = self.cpus or (spec.cpus if spec else None)
-        memory = self.memory_mb or (spec.memory_mb if spec else None)
-        volumes = {str(Path(host).resolve()): {"bind": inside, "mode": "ro"} for host, inside in self.mounts.items()}
-        labels = {OWNER: self._owner, "rl-proxy.task": task.id}
-        options: dict[str, Any] = {"nano_cpus": int(cpus * 1e9)} if cpus else {}
-        if memory:
-            options["mem_limit"] = f"{memory}m"
-        network = "host" if self.network == "host" else "none"
-        create = self.client().containers.run
-        try:
-            # `sleep` is the container's PID 1, so that `kill -9 -1` in it ends everything else (the
-            # image's own ENTRYPOINT, an init or a script, would make it PID 2, and the kill its end).
-            container = await asyncio.to_thread(
-                create, image, None, entrypoint=["sleep", "infinity"], detach=True, network_mode=network,
-                labels=labels, volumes=volumes, **options,
-            )  # fmt: skip
-        except Exception as exc:  # the engine's own errors: a missing image, a bad limit
-            raise ContainerError(f"task {task.id}: cannot start a container of {image}: {exc}") from exc
+        """A container for one episode (a warm one, if one was started ahead for it), removed
+        when the episode is over, whatever ends it. With `proxy_url` (and the episode's `key`),
+        the box's `proxy_url` is where the harness inside reaches the proxy."""
+        settings = await self.settings(task)
+        found = next((i for i, t in enumerate(self._ahead) if t.id == task.id), None)
+        if found is not None:
+            del self._ahead[found]
+        warm = self._pool.get(repr(sorted(settings.items())))
+        container = warm.pop(0) if warm else await self.start(task, settings)
+        self._taken += bool(warm)
+        self._fill()
+        network = settings["network_mode"]
         try:
             async with contextlib.AsyncExitStack() as stack:
                 inside = proxy_url

@@ -41,6 +41,10 @@ class HostEnvironment(Strict):
     ) -> AsyncIterator[Box | None]:
         yield None
 
+    def expect(self, tasks: list[Task]) -> None:
+        """Episodes of `tasks` (one entry each) are to come: an environment that prepares ahead
+        (a container's warm pool) starts on them."""
+
     def close(self) -> None:
         pass
 

@@ -6,6 +6,7 @@ the task's own tests; nothing left behind by a timeout or a SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
@@ -22,7 +23,9 @@ from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.environments.containers import BASE_IMAGE, OWNER, ContainerEnvironment
-from harness_adapters.runner import BUILD_FAILED
+from harness_adapters.harnesses import CommandAdapter
+from harness_adapters.runner import BUILD_FAILED, EpisodeRunner
+from harness_adapters.tasks import load_tasks
 from recorder.episodes import RewardRule
 
 HARBOR = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "harbor"
@@ -181,8 +184,8 @@ def test_sigterm_removes_every_container_it_started(
     vllm: Upstream, container_engine: Any, tmp_path: Path, command: str, running: int
 ) -> None:
     """`collect` and `train` (issue 45) on the shipped Harbor config, the harness calling the
-    model once and then sleeping: SIGTERM with `running` episodes on in containers exits 130
-    and leaves no container."""
+    model once and then sleeping: SIGTERM with `running` episodes on in containers (and, for
+    train, two warm ones started ahead) exits 130 and leaves no container."""
     import yaml
 
     config = yaml.safe_load((HARBOR / f"{command}.yaml").read_text())
@@ -193,8 +196,9 @@ def test_sigterm_removes_every_container_it_started(
         environment={"type": "container", "mounts": {str(HARBOR / "agent.py"): "/opt/rl-proxy/agent.py"}},
         proxy={"upstream": vllm.url},
     )  # fmt: skip
-    if command == "train":
-        config["eval"] = None
+    if command == "train":  # and containers started ahead for the episodes waiting for room
+        config["eval"], config["environment"]["warm"] = None, 2
+        running += 2
     (tmp_path / "run.yaml").write_text(orjson.dumps(config).decode())  # JSON is YAML
     job = subprocess.Popen(
         [*CLI, command, str(tmp_path / "run.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -206,6 +210,35 @@ def test_sigterm_removes_every_container_it_started(
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     assert job.returncode == 130, output[-4000:]
+    assert _left(container_engine) == []
+
+
+def test_a_warm_pool_starts_the_next_episodes_containers_and_leaves_none(
+    container_engine: Any, make_proxy: Any, stub: str, tmp_path: Path
+) -> None:
+    """`warm: 2`, one episode at a time: while one runs, the next ones' containers are started,
+    and they begin in them (scored by the task's tests as any); containers started for episodes
+    that never came are removed at the end. The model is a stub upstream (NOT vLLM)."""
+    [task] = load_tasks(HARBOR / "tasks" / "hello-file")
+    environment = ContainerEnvironment(warm=2, mounts={str(HARBOR / "agent.py"): "/opt/rl-proxy/agent.py"})
+    harness = CommandAdapter(
+        ["sh", "-c", 'python3 /opt/rl-proxy/agent.py --steps 1 "$0"; echo hello > hello.txt', "{prompt}"]
+    )
+    runner = EpisodeRunner(
+        make_proxy(stub).url, harness, [], "stub-model", tmp_path, "warm", 60, 1, environment=environment
+    )
+    results = asyncio.run(runner.run_all([task], 4))
+    assert [(r.status, r.reward) for r in results] == [("ok", 1.0)] * 4, [r.error for r in results]
+    assert environment.warm_taken >= 2  # the first episode's own container may be the only cold one
+
+    async def announce_and_wait() -> int:  # episodes announced, then never run
+        environment.expect([task] * 2)
+        while len(container_engine.containers.list(filters={"label": OWNER})) < 2:
+            await asyncio.sleep(0.2)
+        return len(container_engine.containers.list(filters={"label": OWNER}))
+
+    assert asyncio.run(asyncio.wait_for(announce_and_wait(), 60)) == 2
+    environment.close()
     assert _left(container_engine) == []
 
 
