@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 PODMAN_CONF = Path(__file__).resolve().parents[2] / "tests" / "podman.conf"
 
@@ -40,16 +41,9 @@ def with_base_image(url: str, before_building: Callable[[], object] = lambda: No
     """The engine at `url` has the tasks' base image: built now (`before_building` first) if not."""
     from harness_adapters.environments.containers import BASE_IMAGE, _exists, base_image, engine
 
-    given = os.environ.get("DOCKER_HOST")
-    os.environ["DOCKER_HOST"] = url
-    try:
+    with mock.patch.dict(os.environ, DOCKER_HOST=url):
         client = engine()
         if not _exists(client, BASE_IMAGE):
             before_building()
             base_image()
         client.close()
-    finally:
-        if given is None:
-            del os.environ["DOCKER_HOST"]
-        else:
-            os.environ["DOCKER_HOST"] = given

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -156,26 +157,25 @@ class ContainerEnvironment(HostEnvironment):
             self._filling = asyncio.ensure_future(self._top_up())
 
     async def _top_up(self) -> None:
+        """Start containers, one at a time, until each of the next `warm` episodes has one."""
         while True:
-            wanted: dict[str, tuple[Task, dict[str, Any], int]] = {}
+            wanted: Counter[str] = Counter()
+            first: dict[str, tuple[Task, dict[str, Any]]] = {}
             for task in self._ahead[: self.warm]:
                 try:
                     settings = await self.settings(task)
                 except ContainerError:  # its image: the episode itself says so
                     continue
-                key = repr(sorted(settings.items()))
-                wanted[key] = (task, settings, wanted.get(key, (task, settings, 0))[2] + 1)
-            short = [
-                (key, task, settings) for key, (task, settings, n) in wanted.items() if len(self._pool.get(key, [])) < n
-            ]
-            if not short:
+                wanted[_key(settings)] += 1
+                first.setdefault(_key(settings), (task, settings))
+            short = next((key for key, n in wanted.items() if len(self._pool.get(key, [])) < n), None)
+            if short is None:
                 return
-            key, task, settings = short[0]
             try:
-                container = await self.start(task, settings)
+                container = await self.start(*first[short])
             except ContainerError:
                 return  # the episode starts its own, and says what failed
-            self._pool.setdefault(key, []).append(container)  # removed by close() if no episode takes it
+            self._pool.setdefault(short, []).append(container)  # removed by close() if no episode takes it
 
     @contextlib.asynccontextmanager
     async def episode(
@@ -188,7 +188,7 @@ class ContainerEnvironment(HostEnvironment):
         found = next((i for i, t in enumerate(self._ahead) if t.id == task.id), None)
         if found is not None:
             del self._ahead[found]
-        warm = self._pool.get(repr(sorted(settings.items())))
+        warm = self._pool.get(_key(settings))
         container = warm.pop(0) if warm else await self.start(task, settings)
         self._taken += bool(warm)
         self._fill()
@@ -255,6 +255,11 @@ def engine() -> DockerClient:
             "and `export DOCKER_HOST=unix:///run/podman/podman.sock`); see docs/environments.md"
         ) from exc
     return client
+
+
+def _key(settings: dict[str, Any]) -> str:
+    """Containers made with equal settings are interchangeable: the warm pool's key."""
+    return repr(sorted(settings.items()))
 
 
 def content_hash(folder: Path) -> str:
