@@ -3,11 +3,12 @@
 bubblewrap, and in a container of a SWE task's image: its image built in the episode (cold),
 the image cached, and a warm pool (`warm: 2`, the next episodes' containers started while one
 runs); then episodes per minute at 4 and 16 at a time in containers, with and without the warm
-pool. The model is a stub upstream (NOT vLLM) that answers at once, so the figures are the
-environment's own cost, not the model's.
+pool, and as Ray tasks on a local cluster of two worker nodes (`rollouts: {engine: ray}`; the
+nodes share this machine's 2 cores and its one engine, so the rows show what Ray adds, not what
+more machines give). The model is a stub upstream (NOT vLLM) that answers at once, so the figures
+are the environment's own cost, not the model's.
 
 Needs a container engine: DOCKER_HOST, else Podman's service started here (tests/podman.conf).
-Not measured here: a Ray cluster's nodes (their engines are this one on one machine).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import time
 from pathlib import Path
 
 from benchmarks.support.engine import engine_at, with_base_image
+from benchmarks.support.ray_cluster import local_cluster
 from benchmarks.support.stub_upstream import stub_app
+from harness_adapters.engines import RayRollouts, engine_for
 from harness_adapters.environments import BubblewrapEnvironment, ContainerEnvironment, Environment, HostEnvironment
 from harness_adapters.harnesses import CommandAdapter
-from harness_adapters.runner import EpisodeRunner
+from harness_adapters.runner import Engine, EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
 from proxy.app import create_app
 from proxy.server import AppThread
@@ -38,13 +41,17 @@ SWE = ROOT / "harness_adapters" / "examples" / "swe" / "tasks"
 SCRIPT = 'python3 {agent} --steps 1 "$0"; echo hello > hello.txt'
 
 
-def episodes(proxy: str, environment: Environment, tasks: list[Task], concurrency: int, work: Path) -> list[float]:
+def episodes(
+    proxy: str, environment: Environment, tasks: list[Task], concurrency: int, work: Path, engine: Engine | None = None
+) -> list[float]:
     """Run `tasks` (one episode each); the seconds between one episode's end and the next's, the
     first counted from the start (one at a time: each episode's own time)."""
     inside = isinstance(environment, ContainerEnvironment)
     agent = "/opt/rl-proxy/agent.py" if inside else str(AGENT)
     harness = CommandAdapter(["sh", "-c", SCRIPT.format(agent=agent), "{prompt}"])
-    runner = EpisodeRunner(proxy, harness, [], "stub-model", work, "bench", 120, concurrency, environment=environment)
+    runner = EpisodeRunner(
+        proxy, harness, [], "stub-model", work, "bench", 120, concurrency, environment=environment, engine=engine
+    )
     ends = [time.perf_counter()]
     asyncio.run(runner.run_all(tasks, 1, lambda _: ends.append(time.perf_counter())))
     environment.close()
@@ -90,8 +97,17 @@ def main() -> None:
                 environment = ContainerEnvironment(mounts=mounts, warm=warm)
                 start = time.perf_counter()
                 episodes(proxy.url, environment, [swe] * (level * 3), level, work / f"c{level}-{warm}")
-                flow.append((level, warm, level * 3 * 60 / (time.perf_counter() - start)))
+                flow.append(("this machine", level, warm, level * 3 * 60 / (time.perf_counter() - start)))
                 print(f"  {level} at a time, warm {warm}: done", flush=True)
+        with local_cluster(workers=2, cpus=max(args.levels) // 2) as cluster:
+            rollouts = RayRollouts(address=cluster.address, env_vars={"DOCKER_HOST": url})
+            for level in args.levels:
+                environment = ContainerEnvironment(mounts=mounts)
+                with engine_for(rollouts, environment) as engine:
+                    start = time.perf_counter()
+                    episodes(proxy.url, environment, [swe] * (level * 3), level, work / f"r{level}", engine)
+                    flow.append(("Ray, 2 worker nodes", level, 0, level * 3 * 60 / (time.perf_counter() - start)))
+                print(f"  {level} at a time on Ray: done", flush=True)
     host = rows[0][1]
     print("\nPer episode, one at a time (median; stub upstream at 0 ms, 2 cores, Podman)\n")
     print("| where | s per episode | added to the host's (s) | episodes/min |")
@@ -99,10 +115,10 @@ def main() -> None:
     for name, seconds, per_minute in rows:
         print(f"| {name} | {seconds:.2f} | {seconds - host:+.2f} | {per_minute:.1f} |")
     print("\nContainers, several at a time (episodes: 3 x concurrency)\n")
-    print("| at a time | warm | episodes/min |")
-    print("|---:|---:|---:|")
-    for level, warm, per_minute in flow:
-        print(f"| {level} | {warm} | {per_minute:.1f} |")
+    print("| where | at a time | warm | episodes/min |")
+    print("|---|---:|---:|---:|")
+    for where, level, warm, per_minute in flow:
+        print(f"| {where} | {level} | {warm} | {per_minute:.1f} |")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ in the very container the hidden tests score."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -65,17 +66,39 @@ def test_the_swe_tasks_score_their_fix_1_and_nothing_0(container_engine: Any, tm
     assert _left(container_engine) == []
 
 
+# A scripted model's answers to mini-swe-agent (a stub upstream, NOT vLLM): the fix, then mini's own submit.
+ANSWERS = [
+    f"THOUGHT: the area multiplies.\n\n```mswea_bash_command\n{FIX}\n```",
+    "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+]
+
+
 def test_mini_acts_in_the_container_the_hidden_tests_score(container_engine: Any, tmp_path: Path) -> None:
-    """A scripted model (a stub upstream, NOT vLLM) answers mini-swe-agent with the fix, then
-    mini's own submit: the task's hidden tests see the fixed file."""
-    answers = [
-        f"THOUGHT: the area multiplies.\n\n```mswea_bash_command\n{FIX}\n```",
-        "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
-    ]
-    with AppThread(stub_app(answers=answers)) as stub:
+    """Mini-swe-agent, told the fix by the scripted model: the task's hidden tests see the fixed file."""
+    with AppThread(stub_app(answers=ANSWERS)) as stub:
         [result] = collect(_config(tmp_path, PresetHarness(type="mini"), f"{stub.url}/v1"), progress=False)[0]
     assert result.session.outcome and result.session.outcome.harness == "ok", result.error
     assert (result.status, result.reward, result.calls) == ("ok", 1.0, 2)
+    assert _left(container_engine) == []
+
+
+@pytest.mark.slow
+def test_the_mini_preset_on_ray_nodes_acts_in_their_containers(
+    ray_cluster: Any, container_engine: Any, tmp_path: Path
+) -> None:
+    """Issue 47, item 4: the same preset and task with `rollouts: {engine: ray}` on the local
+    cluster's two worker nodes (each finds the task's image on its engine, Podman's behind both,
+    or builds it): mini-swe-agent runs in each episode's container on the node Ray chose, the
+    scripted fix scores 1 there, and no container is left."""
+    with AppThread(stub_app(answers=ANSWERS)) as stub:
+        config = _config(tmp_path, PresetHarness(type="mini"), f"{stub.url}/v1")
+        engine = {"DOCKER_HOST": os.environ["DOCKER_HOST"]}
+        rollouts = {"engine": "ray", "address": ray_cluster.address, "env_vars": engine}
+        config = CollectConfig.model_validate({**config.model_dump(), "episodes_per_task": 2, "rollouts": rollouts})
+        results = collect(config, progress=False)[0]
+    assert [(r.status, r.reward, r.calls) for r in results] == [("ok", 1.0, 2)] * 2, [r.error for r in results]
+    workers = {node.node_id for node in ray_cluster.list_all_nodes() if node is not ray_cluster.head_node}
+    assert {r.node for r in results} <= workers and all(r.node for r in results)
     assert _left(container_engine) == []
 
 
