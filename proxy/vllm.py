@@ -16,10 +16,12 @@ The proxy reads a server's weight version with every call it forwards (upstream.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,6 +104,7 @@ class VllmServer:
             *(extra_args or []),
         ]
         self.process: subprocess.Popen[bytes] | None = None
+        self.sockets: Path | None = None  # vLLM's ZeroMQ sockets, removed with the server
 
     @property
     def base_url(self) -> str:
@@ -123,12 +126,20 @@ class VllmServer:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter, used only with --enable-lora
         }
+        # vLLM names its processes' IPC sockets by UUID in this folder (the temp dir by default) and
+        # leaves them there when it stops: seven a start.
+        self.sockets = Path(tempfile.mkdtemp(prefix="rlp-vllm-"))
+        env["VLLM_RPC_BASE_PATH"] = str(self.sockets)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self.wait_ready(timeout, progress)
+        try:
+            self.wait_ready(timeout, progress)
+        except BaseException:  # it exited, it took too long, or Ctrl-C: nothing of it stays
+            self.stop()
+            raise
 
     def wait_ready(self, timeout: float, progress: bool = False) -> None:
         """Wait for /health. `progress`: the seconds waited, rewritten in place on a terminal, and
@@ -148,7 +159,6 @@ class VllmServer:
                 pass
             waited = time.monotonic() - start
             if waited > timeout:
-                self.stop()
                 raise BackendError(
                     f"vLLM did not start within {timeout:.0f} s (log: {self.log_file}):\n{_tail(self.log_file)}"
                 )
@@ -166,14 +176,16 @@ class VllmServer:
             raise BackendError(f"vLLM exited with code {code} (log: {self.log_file}):\n{_tail(self.log_file)}")
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds; remove
+        its sockets."""
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +30,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ASK = [{"role": "user", "content": "Name three colours."}]
 
 
+def _sockets() -> set[str]:
+    return {path.name for path in Path(tempfile.gettempdir()).iterdir() if path.is_socket()}
+
+
 def test_serve_launches_vllm_records_reasoning_and_exits_when_vllm_dies(tmp_path: Path) -> None:
+    """And leaves none of vLLM's IPC sockets in the temp dir (vLLM names them by UUID there and
+    never removes them: a machine that ran the suite for a day held 966)."""
+    before = _sockets()
     port, vllm_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -68,6 +76,7 @@ def test_serve_launches_vllm_records_reasoning_and_exits_when_vllm_dies(tmp_path
             serve.wait(60)
     assert serve.returncode == 1
     assert "vLLM exited" in output and str(tmp_path / "logs" / "vllm.log") in output
+    assert _sockets() - before == set()
 
 
 def _reasoning_reaches_every_api_and_the_record(url: str, db: str) -> None:

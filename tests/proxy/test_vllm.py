@@ -21,6 +21,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_model_vllm_cannot_load_is_a_clear_error(tmp_path: Path) -> None:
+    """And the folder of vLLM's sockets goes with it (test_serve.py: none is left in the temp dir)."""
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     server = VllmServer(str(empty), "broken", log_file=tmp_path / "vllm.log")
@@ -28,6 +29,7 @@ def test_a_model_vllm_cannot_load_is_a_clear_error(tmp_path: Path) -> None:
         server.start(timeout=300)
     assert str(tmp_path / "vllm.log") in str(info.value)
     assert "not-a-model" in str(info.value)  # the end of vLLM's log comes with the error
+    assert server.sockets is not None and not server.sockets.exists()
 
 
 def test_no_start_in_time_is_a_clear_error_and_the_process_is_stopped(tmp_path: Path) -> None:
