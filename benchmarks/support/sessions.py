@@ -233,10 +233,14 @@ def claude_code_branching(base_url: str, key: str, home: Path, task: str, timeou
         "DISABLE_AUTOUPDATER": "1",
     }
     session = str(uuid.uuid4())
-    runs = [  # and the most each call may sample: a summary cut short fails the compaction
-        ([task, "--session-id", session, "--tools", "Agent,Bash,Read", "--max-turns", "2"], 200),
-        (["/compact Summarize in one short sentence.", "--resume", session, "--tools", "Bash,Read"], 1000),
-        (["Go on.", "--resume", session, "--tools", "Bash,Read", "--max-turns", "1"], 200),
+    # And the most each call may sample. An Agent call takes about 60 tokens; a subagent's answer
+    # runs to the cap and Claude Code asks it to go on three times, so the cap sets the time
+    # (200: 8 calls of 13 s on 2 cores). A summary cut short fails the compaction (a 135M
+    # model's ran past 1,000 tokens in some runs; then the test checks the rest).
+    runs = [
+        ([task, "--session-id", session, "--tools", "Agent,Bash,Read", "--max-turns", "2"], 120),
+        (["/compact Summarize in one short sentence.", "--resume", session, "--tools", "Bash,Read"], 400),
+        (["Go on.", "--resume", session, "--tools", "Bash,Read", "--max-turns", "1"], 120),
     ]
     printed = []
     for args, most in runs:
