@@ -13,6 +13,7 @@ harness_adapters/examples/arithmetic/train.yaml.
       curriculum: false         # sample tasks by their recent pass rate (groups likely to hold a signal)
       warm_start: 0             # the first steps supervised on the policy's own successes (RFT)
       warm_start_from: null     # ... or on the successes a store holds (a collect run's)
+      max_groups_without_signal: 32   # groups in a row with nothing to train before the run stops
       grpo:                     # TRL GRPOConfig fields, with TRL's meaning and defaults
         loss_type: dapo
         learning_rate: 2.0e-5
@@ -109,6 +110,12 @@ class TrainSection(Strict):
         None,
         description="a store (SQLite path or SQLAlchemy URL: a collect run's, your own) whose successful "
         "episodes the warm start trains on instead of the run's own groups",
+    )
+    max_groups_without_signal: int = Field(
+        32,
+        ge=1,
+        description="groups in a row with nothing to train (every episode scored the same; in a warm start, "
+        "no success) before the run stops and says so: tasks the policy never or always solves",
     )
     min_calls: int = Field(
         1, ge=1, description="fewer calls than this in an episode is a FATAL capture (a harness expected to loop)"

@@ -10,7 +10,8 @@ that joined the group by its key rather than from the runner, is dropped, each c
 an episode sampled with settings the trainer cannot score at. Episodes sampled more than
 `max_staleness` optimizer steps ago are dropped and counted; a group left with fewer than two
 scored episodes, or whose rewards are all equal (no signal), is skipped and counted; groups that
-keep coming back without one scored episode stop the run by name. What was done with each
+keep coming back without one scored episode stop the run by name, and so do
+`max_groups_without_signal` scored groups in a row with nothing to train. What was done with each
 group is stored (`Store.save_group`), and so are the run's rule and settings.
 """
 
@@ -199,6 +200,7 @@ class GroupReader:
             "warm_start": self.cfg.warm_start,  # the steps that were supervised (the viewer says so)
         }
         self.failing = 0  # groups in a row without one scored episode
+        self.without_signal = 0  # groups in a row with scored episodes and nothing to train
         self.refused: str | None = None  # why the last episode refused for its sampling settings was
         self.fatal: str | None = None  # what made the last episode left out for its capture FATAL
 
@@ -262,9 +264,14 @@ class GroupReader:
         ]
         await self.store.save_group(group, self.config.run, self.state.step, shown)
         if values is None or all(a is None for a in values):
-            self.state.skipped_equal += values is None and sum(reward is not None for _, reward, *_ in rows) >= 2
+            scored = [reward for _, reward, *_ in rows if reward is not None]
+            equal = values is None and len(scored) >= 2
+            self.state.skipped_equal += equal
             self.state.no_success += supervised
+            if equal or supervised:
+                self.check_signal(scored, supervised)
             return None
+        self.without_signal = 0
         kept = [(row, a) for row, a in zip(rows, values, strict=True) if a is not None and row[1] is not None]
         samples = [Sample(q, a) for (_, _, _, sequences, _), a in kept for q in sequences]
         return samples, [reward for (_, reward, *_), _ in kept if reward is not None], [row[4] for row, _ in kept]
@@ -295,6 +302,22 @@ class GroupReader:
         }.get(why)
         if counter is not None:
             setattr(self.state, counter, getattr(self.state, counter) + 1)
+
+    def check_signal(self, rewards: list[float], supervised: bool) -> None:
+        """Stop, saying why, when `max_groups_without_signal` groups in a row were scored and gave
+        nothing to train (equal rewards; in a warm start, no success): a policy that solves none of
+        the tasks, or all, would make such groups forever (as DAPO's dynamic sampling stops after
+        `max_num_gen_batches`)."""
+        self.without_signal += 1
+        if self.without_signal < self.cfg.max_groups_without_signal:
+            return
+        what = "a success to imitate (warm start)" if supervised else "rewards that differ"
+        raise TrainError(
+            f"{self.without_signal} groups in a row without {what}: nothing to train (the last group's "
+            f"rewards: {rewards}). The policy scores the same on every task tried: start from a model that "
+            "solves some of them, give easier tasks, or warm-start on successes (train.warm_start_from); "
+            "train.max_groups_without_signal sets how many such groups are waited for"
+        )
 
     def check_failing(self, sessions: list[SessionInfo], whys: list[Why]) -> None:
         """Stop, naming the cause, when groups keep coming back without one scored episode

@@ -167,6 +167,30 @@ def test_leftovers_and_failing_groups(tmp_path: Path) -> None:
     assert "harness crashed" in error
 
 
+def test_groups_that_keep_scoring_the_same_stop_a_run_by_name(tmp_path: Path) -> None:
+    """A policy that solves none of the tasks (the 135M model on the SWE example) makes groups of
+    equal rewards: each was skipped, and the run made groups forever, never stepping. A group
+    with a signal resets the count; `max_groups_without_signal` in a row stop the run, saying why."""
+
+    async def main() -> str:
+        async with Store(str(tmp_path / "s.db")) as store:
+            loop = _loop(tmp_path, store, LoopState(step=1, version=1), max_groups_without_signal=3)
+            for name, rewards in [("zero-0", [0.0] * 4), ("zero-1", [0.0] * 4), ("mixed", [0.0, 1.0, 0.0, 0.0])]:
+                for n, reward in enumerate(rewards):
+                    await _episode(store, name, n, "1", reward)
+                await loop.prepare(name)
+            with pytest.raises(TrainError) as raised:
+                for g in range(3):
+                    for n in range(4):
+                        await _episode(store, f"zero-{g + 2}", n, "1", 0.0)
+                    assert await loop.prepare(f"zero-{g + 2}") is None
+            assert loop.state.skipped_equal == 5
+            return str(raised.value)
+
+    error = asyncio.run(main())
+    assert error.startswith("3 groups in a row without rewards that differ") and "[0.0, 0.0, 0.0, 0.0]" in error
+
+
 def test_episodes_with_nothing_to_train_stop_a_run_by_name(tmp_path: Path) -> None:
     """Every call of these episodes is aux (the runner named another model than they asked for):
     each is "empty". Such groups were counted as scored, so a run of them made groups forever."""
