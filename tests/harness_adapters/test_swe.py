@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from benchmarks.support.stack import Upstream, read_store
 from benchmarks.support.stub_upstream import stub_app
@@ -25,6 +26,7 @@ from harness_adapters.environments.oracle import check_tasks
 from harness_adapters.tasks.harbor import load_harbor
 from proxy.server import AppThread
 from recorder.graph import build_sequences
+from trainer.config import TrainConfig
 
 SWE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "swe"
 FIX = "sed -i 's/width + height/width * height/' shapes/area.py"
@@ -44,6 +46,16 @@ def _config(tmp_path: Path, harness: PresetHarness, upstream: str, task: str = "
     )
     config.proxy.upstream = upstream
     return config
+
+
+@pytest.mark.parametrize("example, agent", [("swe", "swe_agent.yaml"), ("shell", "shell_agent.yaml")])
+def test_the_trainer_scores_at_the_temperature_mini_samples_at(example: str, agent: str) -> None:
+    """Else every episode is refused for its sampling settings and nothing trains: the SWE
+    example's train.yaml lacked it (its run stopped after its evaluation, 2026-11-28)."""
+    folder = SWE.parent / example
+    config = load_config(folder / "train.yaml", TrainConfig)
+    sampled = yaml.safe_load((folder / agent).read_text())["model"]["model_kwargs"]["temperature"]
+    assert config.train.grpo.get("temperature", 1.0) == sampled
 
 
 def _left(engine: Any) -> list[str]:
