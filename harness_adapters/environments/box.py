@@ -81,28 +81,29 @@ class Box:
             raise TimeoutError
         return running.result()
 
-    async def stop_agent(self) -> None:
-        """Kill every process in the container but its PID 1: what the harness left running (a
-        background job that would rewrite the reward after the tests) ends before they run."""
+    async def stop_agent(self, then: str = "true") -> None:
+        """Kill every process in the container but its PID 1 (the shell's `kill` spares the shell):
+        what the harness left running (a background job that would rewrite the reward after the
+        tests) ends before they run; then the shell runs `then`, in the same exec."""
         with open(os.devnull, "wb") as out:
-            await self.run(["sh", "-c", "kill -9 -1 2>/dev/null; true"], {}, out, out, 60, stop=False)
+            await self.run(["sh", "-c", f"kill -9 -1 2>/dev/null; {then}"], {}, out, out, 60, stop=False)
 
     async def put(self, files: dict[str, bytes], at: str | None = None) -> None:
-        """Write files (relative path -> content) under `at` (default: the working directory)."""
+        """Write files (relative path -> content) under `at` (default: the working directory), made first."""
+        target = at or self.workdir
+        await self.shell(f"mkdir -p {shlex.quote(target)}", 60)
+        await self.copy(files, target)
+
+    async def copy(self, files: dict[str, bytes], target: str) -> None:
+        """Write files (relative path -> content) into the folder `target`, which exists."""
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as archive:
             for name, content in files.items():
                 entry = tarfile.TarInfo(name)
                 entry.size, entry.mode, entry.mtime = len(content), 0o755, int(time.time())
                 archive.addfile(entry, io.BytesIO(content))
-        target = at or self.workdir
-        await self.shell(f"mkdir -p {shlex.quote(target)}", 60)
         if not await engine_call(self.container.put_archive, target, buffer.getvalue()):
             raise ContainerError(f"cannot copy files into {target}")
-
-    async def put_folder(self, folder: Path, at: str) -> None:
-        files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-        await self.put(files, at)
 
     def fetch(self, part: str) -> None:
         """Copy the container's /logs/<part> into the episode's work directory as <part>, over
@@ -128,10 +129,9 @@ class Box:
         spec = task.harbor
         if spec is None:
             return {}
-        await self.stop_agent()
         shutil.rmtree(self.logs / "verifier", ignore_errors=True)
-        await self.shell(f"rm -rf /tests {LOGS}/verifier; mkdir -p /tests {LOGS}/verifier", 60)
-        await self.put_folder(spec.dir / "tests", "/tests")
+        await self.stop_agent(f"rm -rf /tests {LOGS}/verifier; mkdir -p /tests {LOGS}/verifier")
+        await self.copy(folder_files(spec.dir / "tests"), "/tests")
         try:
             await self.shell(
                 "bash /tests/test.sh", spec.verifier_timeout, spec.verifier_env, "verifier/test-stdout.txt"
@@ -140,6 +140,11 @@ class Box:
             raise TestsError(f"the tests did not finish in {spec.verifier_timeout:g} s") from None
         await engine_call(self.fetch, "verifier")
         return read_reward(self.logs / "verifier")
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by its path relative to it."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 async def engine_call(work: Callable[..., T], *args: Any) -> T:

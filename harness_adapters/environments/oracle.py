@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness_adapters.environments.box import ContainerError, TestsError
+from harness_adapters.environments.box import ContainerError, TestsError, folder_files
 from harness_adapters.environments.containers import ContainerEnvironment, say
 from harness_adapters.tasks import Task
 
@@ -39,7 +39,7 @@ async def check_task(environment: ContainerEnvironment, task: Task, logs: Path) 
         return CheckResult(task.id, error="no solution/solve.sh: nothing to check the tests against")
     try:
         async with environment.episode(task, logs / "oracle") as box:
-            await box.put_folder(spec.dir / "solution", "/solution")
+            await box.put(folder_files(spec.dir / "solution"), "/solution")
             env = {str(k): str(v) for k, v in spec.config.get("solution", {}).get("env", {}).items()}
             code = await box.shell("bash /solution/solve.sh", spec.agent_timeout or 600.0, env, "agent/oracle.txt")
             oracle = await box.verify(task)
