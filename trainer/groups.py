@@ -201,6 +201,7 @@ class GroupReader:
         }
         self.failing = 0  # groups in a row without one scored episode
         self.without_signal = 0  # groups in a row with scored episodes and nothing to train
+        self.last_rewards: list[float | None] = []  # the last group's (None: left out), for a progress line
         self.refused: str | None = None  # why the last episode refused for its sampling settings was
         self.fatal: str | None = None  # what made the last episode left out for its capture FATAL
 
@@ -253,6 +254,7 @@ class GroupReader:
                 log.warning("group %s: session %r joined it by its key, not from the runner: left out", group, s.id)
             self.count(why)
             rows.append((s, reward, why, sequences, lag))
+        self.last_rewards = [reward for _, reward, *_ in rows]
         self.check_failing(sessions, [why for _, _, why, _, _ in rows])
         values = group_advantages([reward for _, reward, _, _, _ in rows], self.rule)
         if supervised:

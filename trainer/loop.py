@@ -189,6 +189,12 @@ class TrainLoop:
                     rewards += prepared[1]
                     staleness += prepared[2]
                     groups += 1
+                if self.progress is not None:  # a group of agent episodes takes minutes: a line each
+                    used = "trained" if prepared is not None else "nothing to train"
+                    self.progress(
+                        f"step {self.state.step + 1}: group {group} rewards {self.groups.last_rewards}: {used} "
+                        f"({groups}/{self.cfg.groups_per_step} for the step)"
+                    )
         if self.learner.args.scale_rewards == "batch" and not supervised:
             std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
             samples = [Sample(s.sequence, s.advantage / (std + 1e-4)) for s in samples]
