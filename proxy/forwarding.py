@@ -270,8 +270,8 @@ class Call:
             thread=thread,
             call_id=self.call_id,
         )
-        if thread is not None and self.chat_body is not None:
-            state.threads.add(self.session.id, call.call_id, self.chat_body, capture.prompt_token_ids, answers)
+        if thread is not None:
+            state.threads.add(self.session.id, call.call_id, thread, capture.prompt_token_ids, answers)
 
         state.observe(call)
         return call

@@ -166,11 +166,12 @@ class Threads:
         self.unrendering: set[str] = set()  # upstreams without /tokenize
 
     def add(
-        self, session_id: str, call_id: str | None, body: dict[str, Any], prompt_ids: list[int], answers: list[Answer]
+        self, session_id: str, call_id: str | None, state: dict[str, Any], prompt_ids: list[int], answers: list[Answer]
     ) -> None:
-        """A recorded call of the session: `body` as sent upstream, its prompt ids and answers."""
-        messages = [exact(m) for m in body.get("messages") or [] if isinstance(m, dict)]
-        self._keep(session_id, Thread(call_id, messages, tools_key(body), array("i", prompt_ids), answers))
+        """A recorded call of the session: its `thread_state` (the digests made once, for the
+        record and for this), its prompt ids and answers."""
+        messages, tools = [bytes.fromhex(m) for m in state["messages"]], bytes.fromhex(state["tools"])
+        self._keep(session_id, Thread(call_id, messages, tools, array("i", prompt_ids), answers))
 
     def restore(self, session_id: str, calls: list[ThreadRecord]) -> bool:
         """Learn the threads of recorded calls of the session (newest first) that this proxy did

@@ -23,7 +23,7 @@ from proxy.capture import Capture, client_view
 from proxy.errors import UpstreamUnreachable
 from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
-from proxy.threads import Answer, Plan, Threads
+from proxy.threads import Answer, Plan, Threads, thread_state
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer
 from recorder.caches import ENTRY
@@ -316,13 +316,8 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
         ([80, 81], "length", [*prompt, 80, 81, E, NL, 60, 61, E, NL, A]),
     ):
         threads = Threads()
-        threads.add(
-            "s",
-            "c1",
-            {"model": "m", "messages": ask},
-            prompt,
-            [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), finish)],
-        )
+        answers = [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), finish)]
+        threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), prompt, answers)
         follow = {
             "model": "m",
             "messages": [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
@@ -340,13 +335,8 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
     # history with another count of them than the thread's tokens hold: a new thread, not a guess.
     for sampled, why in (([80, E, 81, E], "before its end"), ([80, 81, 81], "renders the conversation with 2")):
         threads = Threads()
-        threads.add(
-            "s",
-            "c1",
-            {"model": "m", "messages": ask},
-            [*prompt, E],
-            [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), "stop")],
-        )
+        answers = [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), "stop")]
+        threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), [*prompt, E], answers)
         assert why in str((await threads.plan(upstream, "s", follow)).why)
     assert histories == [follow["messages"][:2]]  # the answer that holds the end-of-turn token is refused first
 
