@@ -266,12 +266,12 @@ class GroupReader:
         ]
         await self.store.save_group(group, self.config.run, self.state.step, shown)
         if values is None or all(a is None for a in values):
-            scored = [reward for _, reward, *_ in rows if reward is not None]
-            equal = values is None and len(scored) >= 2
+            given = [reward for _, reward, *_ in rows if reward is not None]
+            equal = values is None and len(given) >= 2
             self.state.skipped_equal += equal
             self.state.no_success += supervised
             if equal or supervised:
-                self.check_signal(scored, supervised)
+                self.check_signal(given, supervised)
             return None
         self.without_signal = 0
         kept = [(row, a) for row, a in zip(rows, values, strict=True) if a is not None and row[1] is not None]
