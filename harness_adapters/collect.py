@@ -65,6 +65,7 @@ def collect(config: CollectConfig, progress: bool = True) -> tuple[list[EpisodeR
             config.timeout,
             config.concurrency,
             config.proxy.admin_token,
+            sampling=config.sampling,
             environment=environment,
             engine=engine,
             attempts=config.rollouts.attempts,

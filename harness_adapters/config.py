@@ -21,6 +21,8 @@ Unknown keys are refused by name. Paths are relative to the config file. Example
     proxy:
       upstream: null            # attach to this OpenAI-compatible URL; else launch vLLM for `model`
       model: default
+    sampling:                   # set on every call, whatever the harness asks (optional)
+      tool_choice: required     # e.g. a small model in Claude Code calls a tool every turn
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from harness_adapters.harnesses import (
 from harness_adapters.rewards import Reward, RewardSource
 from harness_adapters.tasks import Task
 from proxy.settings import Settings
+from recorder.episodes import Sampling
 
 
 class ConfigError(ValueError):
@@ -160,6 +163,11 @@ class CollectConfig(Strict):
     rollouts: RolloutsConfig = Field(default_factory=LocalRollouts)
     rewards: list[Reward] = Field(default_factory=list)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    sampling: Sampling | None = Field(
+        None,
+        description="set by the proxy on every call of an episode, whatever the harness asks: temperature, top_p, "
+        "top_k, seed, tool_choice (`required`, or a tool's name: Claude Code's Agent)",
+    )
 
     base: Path = Field(Path("."), exclude=True, description="the config file's directory")
 

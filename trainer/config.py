@@ -224,4 +224,8 @@ class TrainConfig(CollectConfig):
             p.max_lora_rank = rank  # the vLLM launched for the run takes the adapters
         if self.train.weight_sync == "nccl" and not p.upstream and WEIGHT_TRANSFER_ARGS[0] not in p.vllm_args:
             p.vllm_args = [*p.vllm_args, *WEIGHT_TRANSFER_ARGS]  # the vLLM launched for the run opens its NCCL side
+        forced = self.sampling.temperature if self.sampling else None
+        scored = self.train.grpo.get("temperature", 1.0)
+        if forced is not None and forced != scored:  # every episode would be refused for its sampling
+            raise ValueError(f"sampling: temperature {forced}; the trainer scores at {scored} (train.grpo.temperature)")
         return self

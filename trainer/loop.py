@@ -255,14 +255,15 @@ class TrainLoop:
 
     async def evaluate(self, eval_runner: EpisodeRunner | None, tasks: list[Task]) -> tuple[float | None, float | None]:
         """Success rate on the evaluation tasks under the weights now serving: as the harness
-        samples, `episodes_per_task` times, and greedy (the proxy sets temperature 0), once."""
+        samples, `episodes_per_task` times, and greedy (the proxy sets temperature 0, with the
+        config's other sampling settings), once."""
         if eval_runner is None or self.config.eval is None:
             return None, None
         greedy = replace(
             eval_runner,
             run=f"{eval_runner.run}-greedy",
             workdir=eval_runner.workdir / "greedy",
-            sampling=Sampling(temperature=0.0),
+            sampling=(eval_runner.sampling or Sampling()).model_copy(update={"temperature": 0.0}),
         )
         limit, at = self.rollouts.limit, self.config.success_at
         counts = {"sampled": len(tasks) * self.config.eval.episodes_per_task, "greedy": len(tasks)}

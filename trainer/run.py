@@ -221,7 +221,7 @@ def _lead(
                 def runner_for(run: str, workdir: Path) -> EpisodeRunner:
                     return EpisodeRunner(
                         url, adapter, rewards, model, workdir, run, config.timeout, config.concurrency, token,
-                        environment=environment, engine=engine,
+                        sampling=config.sampling, environment=environment, engine=engine,
                         attempts=config.rollouts.attempts,
                     )  # fmt: skip
 

@@ -8,6 +8,7 @@ in the very container the hidden tests score."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from pathlib import Path
@@ -25,7 +26,8 @@ from harness_adapters.environments.containers import OWNER
 from harness_adapters.environments.oracle import check_tasks
 from harness_adapters.tasks.harbor import load_harbor
 from proxy.server import AppThread
-from recorder.graph import build_sequences
+from recorder.episodes import Sampling
+from recorder.graph import build_sequences, place
 from trainer.config import TrainConfig
 
 SWE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "swe"
@@ -144,6 +146,31 @@ def test_each_preset_records_exact_sequences_in_the_container_and_fixes_nothing(
         report = build_sequences(calls)
         assert sum(len(s.calls) for s in report.sequences) == report.calls == len(calls), (name, report)
         assert not report.skipped, name
+    assert _left(container_engine) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_claude_codes_subagent_in_the_container_is_placed_in_the_session_graph(
+    vllm: Upstream, container_engine: Any, tmp_path: Path
+) -> None:
+    """Claude Code's preset with the config's `sampling:` forcing its Agent tool where offered
+    (greedy): the subagent it starts inside the container (defined by `--agents`: two tools and
+    a short prompt, as the host's graph test does) is placed under the call that sampled it. A
+    compaction needs a second `claude --resume` run, which one preset episode is not: the host's
+    test (test_claude_code.py) places those."""
+    prompt = "You are a helpful agent. Do the task you are given with your tools, then answer in one sentence."
+    agents = {"general-purpose": {"description": "Runs commands.", "prompt": prompt, "tools": ["Bash", "Read"]}}
+    args = ["--tools", "Agent", "--max-turns", "1", "--system-prompt", "Use a subagent."]
+    args += ["--agents", json.dumps(agents).replace("{", "{{").replace("}", "}}")]  # args are templates: {prompt}
+    harness = PresetHarness(type="claude-code", args=args, env={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "120"})
+    config = _config(tmp_path, harness, vllm.url).model_copy(
+        update={"sampling": Sampling(tool_choice="Agent", temperature=0)}
+    )
+    [result] = collect(config, progress=False)[0]
+    calls = read_store(str(tmp_path / "claude-code" / "rl-proxy.db"), lambda s: _calls(s, result.session_id))
+    edges = [(p.edge, p.parent) for p in place(calls)]
+    assert ("subagent", 1) in edges and len(calls) >= 2, (edges, result.error)
     assert _left(container_engine) == []
 
 

@@ -17,7 +17,7 @@ import pytest
 from harness_adapters.config import PythonHarness
 from proxy.server import AppThread
 from recorder import CallRecord, Completion, SessionInfo, Store
-from recorder.episodes import EpisodeOutcome
+from recorder.episodes import EpisodeOutcome, Sampling
 from trainer.config import TrainConfig, TrainSection
 from trainer.groups import GroupReader, LoopState, TrainError, reward_rule, successes, would_train
 from trainer.viewer import create_app
@@ -264,6 +264,13 @@ def test_config_refuses_unknown_keys(tmp_path: Path) -> None:
     path.write_text("run: r\ntasks: t.jsonl\nharness: {type: python, agent: 'a:b'}\ntrain: {grpo: {los_type: dapo}}\n")
     with pytest.raises(ConfigError, match=r"\['los_type'\] are not GRPOConfig fields"):
         load_config(path, TrainConfig)
+    # The config's own sampling temperature, at another than the trainer scores at: every episode
+    # would be refused for it, after vLLM's start and a first evaluation.
+    path.write_text("run: r\ntasks: t.jsonl\nharness: {type: python, agent: 'a:b'}\nsampling: {temperature: 0.7}\n")
+    with pytest.raises(ConfigError, match=r"sampling: temperature 0.7; the trainer scores at 1.0"):
+        load_config(path, TrainConfig)
+    path.write_text(path.read_text() + "train: {grpo: {temperature: 0.7}}\n")
+    assert load_config(path, TrainConfig).sampling == Sampling(temperature=0.7)
 
 
 def test_every_grpo_key_used_here_is_a_grpo_config_field() -> None:
