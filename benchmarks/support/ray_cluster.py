@@ -36,3 +36,8 @@ def local_cluster(workers: int = 2, cpus: int = 2) -> Iterator[Any]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def worker_nodes(cluster: Any) -> set[str]:
+    """The node ids of the cluster's worker nodes (the head runs no episode)."""
+    return {node.node_id for node in cluster.list_all_nodes() if node is not cluster.head_node}

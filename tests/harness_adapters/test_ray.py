@@ -21,7 +21,7 @@ import orjson
 import psutil
 import pytest
 
-from benchmarks.support.ray_cluster import NODE
+from benchmarks.support.ray_cluster import NODE, worker_nodes
 from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
@@ -41,10 +41,6 @@ def _tasks(tmp_path: Path, n: int) -> str:
     return str(tmp_path / "tasks.jsonl")
 
 
-def _workers(cluster: Any) -> set[str]:
-    return {node.node_id for node in cluster.list_all_nodes() if node is not cluster.head_node}
-
-
 def test_collect_spreads_its_episodes_over_the_nodes_and_records_them_all(
     vllm: Upstream, ray_cluster: Any, tmp_path: Path
 ) -> None:
@@ -57,7 +53,7 @@ def test_collect_spreads_its_episodes_over_the_nodes_and_records_them_all(
     results, path, db = collect(config, progress=False)
     assert len(results) == 8 and all(r.status == "ok" and r.calls >= 1 for r in results), [r.error for r in results]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert {line["node"] for line in lines} == _workers(ray_cluster)  # both worker nodes ran episodes
+    assert {line["node"] for line in lines} == worker_nodes(ray_cluster)  # both worker nodes ran episodes
     assert db is not None
     stored = read_store(db, lambda s: s.list_sessions())
     assert sorted(s.id for s in stored) == sorted(r.session_id for r in results)

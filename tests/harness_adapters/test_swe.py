@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks.support.ray_cluster import worker_nodes
 from benchmarks.support.stack import Upstream, read_store
 from benchmarks.support.stub_upstream import stub_app
 from harness_adapters.collect import collect
@@ -111,8 +112,7 @@ def test_the_mini_preset_on_ray_nodes_acts_in_their_containers(
         config = CollectConfig.model_validate({**config.model_dump(), "episodes_per_task": 2, "rollouts": rollouts})
         results = collect(config, progress=False)[0]
     assert [(r.status, r.reward, r.calls) for r in results] == [("ok", 1.0, 2)] * 2, [r.error for r in results]
-    workers = {node.node_id for node in ray_cluster.list_all_nodes() if node is not ray_cluster.head_node}
-    assert {r.node for r in results} <= workers and all(r.node for r in results)
+    assert {r.node for r in results} <= worker_nodes(ray_cluster) and all(r.node for r in results)
     assert _left(container_engine) == []
 
 
