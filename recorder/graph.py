@@ -21,7 +21,8 @@ alone (so it works on any store, whatever proxy served the calls):
   like), however short (a whole part equal to a whole argument is no chance: SmolLM2 asked its
   subagent "What to do?"): linked to that call.
 - `compaction`: a new conversation whose first messages carry an answer sampled earlier (the
-  summary; not one the model copied from its own prompt), linked to the call that sampled it.
+  summary, or of one with a <summary> block that block's text, which is all Claude Code carries
+  on; not one the model copied from its own prompt), linked to the call that sampled it.
   When the subagent and the compaction rule point at the same call (an Agent prompt quoting
   the answer's text), it is a subagent.
 - `new`: none of these, with the reason; "ambiguous" when links to different calls fit (a graph
@@ -41,6 +42,7 @@ so, on the main model); else `train`. Never a vote by how many calls each model 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -128,11 +130,23 @@ def first_user_parts(request: dict[str, Any]) -> set[str]:
     return {text for text in (_text(p.get("text") if isinstance(p, dict) else p) for p in parts) if text}
 
 
+SUMMARY_BLOCK = re.compile(r"<summary>(.*?)</summary>", re.DOTALL)
+
+
+def _carried(text: str) -> str:
+    """What a harness carries on of an answer: the whole text, or of one with a <summary> block
+    (Claude Code's compactions ask for one) the block's text alone, trimmed, blank lines
+    collapsed, as Claude Code puts it after "Summary:"."""
+    block = SUMMARY_BLOCK.search(text)
+    return re.sub(r"\n\n+", "\n\n", block.group(1).strip()) if block else text
+
+
 def _sampled_texts(call: CallRecord, said: list[tuple[str, str]]) -> list[str]:
-    """What the call wrote that could be a summary: its answers' texts, but none it copied from its
-    own prompt (`said`; SmolLM2 in Claude Code repeated "Today's date is ...", which every later
-    conversation's reminders carry)."""
-    texts = [t for t in (_text(m.get("content")) for m in _answers(call)) if len(t) >= MIN_LINK_TEXT]
+    """What the call wrote that could be a summary: its answers' texts as carried on, but none it
+    copied from its own prompt (`said`; SmolLM2 in Claude Code repeated "Today's date is ...",
+    which every later conversation's reminders carry)."""
+    answers = (_carried(_text(m.get("content"))) for m in _answers(call))
+    texts = [t for t in answers if len(t) >= MIN_LINK_TEXT]
     prompt = "\n".join(text for _, text in said) if texts else ""
     return [t for t in texts if t not in prompt]
 

@@ -53,6 +53,7 @@ def stub_app(
     die_at: int | None = None,
     answer: str = "stub answer",
     answers: list[str] | None = None,
+    summary: str | None = None,
     provider_key: str | None = None,
     stream_words: list[str] | None = None,
     choiceless_first: bool = False,
@@ -66,16 +67,17 @@ def stub_app(
     mid-stream and the connection is cut, as when the upstream dies; with `choiceless_first` the
     stream opens with a chunk that has no choices and no usage; at `garbled_at` a chunk's
     `tool_calls` is a string, valid JSON that no translator can follow (and so is a whole
-    answer's). With `provider_key` it acts as
-    a provider other than vLLM: it wants that key, refuses vLLM's `return_token_ids` (400, as
-    OpenAI does) and answers without token ids or logprobs. A stream's text is `t<id> ` per
-    token, or the given `stream_words`, one per token. With `tool_calls` ((name, JSON arguments)
-    each) a stream calls those tools as vLLM's tool parser streams them: a call's id and name in
-    its first delta, its arguments in pieces after, one token a chunk. It renders chats as
-    `render` says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
-    (`kv_transfer_params.prompt_token_ids`) as vLLM does. With `answers`, a scripted model: a
-    whole answer's text is the conversation's nth (n: its assistant messages so far; the last
-    one after)."""
+    answer's). With `provider_key` it acts as a provider other than vLLM: it wants that key,
+    refuses vLLM's `return_token_ids` (400, as OpenAI does) and answers without token ids or
+    logprobs. A stream's text is `t<id> ` per token, or the given `stream_words`, one per token
+    (a scripted answer, below: in 8 pieces). With `tool_calls` ((name, JSON arguments) each) a
+    stream calls those tools as vLLM's tool parser streams them: a call's id and name in its
+    first delta, its arguments in pieces after, one token a chunk. It renders chats as `render`
+    says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
+    (`kv_transfer_params.prompt_token_ids`) as vLLM does. With `answers`, a scripted model: an
+    answer's text is the conversation's nth (n: its assistant messages so far; the last one
+    after), whole or streamed; with `summary` too, that is the answer where the last message
+    asks for a <summary> block (Claude Code's compaction)."""
     app = FastAPI()
     served: list[int] = []  # chat calls answered so far
 
@@ -105,9 +107,12 @@ def stub_app(
         given = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")  # token-in, as vLLM takes it
         prompt = given or render(body.get("messages") or [])
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
+        messages = body.get("messages") or []
+        turn = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+        text = answers[min(turn, len(answers) - 1)] if answers else answer
+        if summary is not None and messages and "<summary>" in orjson.dumps(messages[-1]).decode():
+            text = summary
         if not body.get("stream"):
-            turn = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or [])
-            text = answers[min(turn, len(answers) - 1)] if answers else answer
             out = {
                 **head,
                 "object": "chat.completion",
@@ -162,8 +167,12 @@ def stub_app(
                 if i == die_at:
                     raise ConnectionAbortedError("stub upstream dies mid-stream (fault injection)")
                 finish = "stop" if i == len(COMPLETION) - 1 else None
-                text = stream_words[i % len(stream_words)] if stream_words else f"t{token} "
-                chunk["choices"] = [_choice(True, 0, text, [token], finish)]
+                if answers:  # the scripted answer, in as many pieces as tokens
+                    piece = -(-len(text) // len(COMPLETION))
+                    word = text[i * piece : (i + 1) * piece]
+                else:
+                    word = stream_words[i % len(stream_words)] if stream_words else f"t{token} "
+                chunk["choices"] = [_choice(True, 0, word, [token], finish)]
                 if i == garbled_at:
                     chunk["choices"][0]["delta"]["tool_calls"] = "garbled"
                 if i == drop_token_ids_at or provider_key is not None:

@@ -3,7 +3,8 @@ image from Debian's packages): its tasks tell a fix from nothing; the harness pr
 agent, Claude Code, Codex CLI) run unchanged inside each episode's container, and against the
 real vLLM each records its calls under the episode's session as exact sequences and fixes
 nothing; with a scripted model (a stub upstream, NOT vLLM) mini-swe-agent's commands fix the bug
-in the very container the hidden tests score."""
+in the very container the hidden tests score, and Claude Code's compaction there is placed in
+the session graph as its subagents are."""
 
 from __future__ import annotations
 
@@ -156,9 +157,7 @@ def test_claude_codes_subagent_in_the_container_is_placed_in_the_session_graph(
 ) -> None:
     """Claude Code's preset with the config's `sampling:` forcing its Agent tool where offered
     (greedy): the subagent it starts inside the container (defined by `--agents`: two tools and
-    a short prompt, as the host's graph test does) is placed under the call that sampled it. A
-    compaction needs a second `claude --resume` run, which one preset episode is not: the host's
-    test (test_claude_code.py) places those."""
+    a short prompt, as the host's graph test does) is placed under the call that sampled it."""
     prompt = "You are a helpful agent. Do the task you are given with your tools, then answer in one sentence."
     agents = {"general-purpose": {"description": "Runs commands.", "prompt": prompt, "tools": ["Bash", "Read"]}}
     args = ["--tools", "Agent", "--max-turns", "1", "--system-prompt", "Use a subagent."]
@@ -171,6 +170,37 @@ def test_claude_codes_subagent_in_the_container_is_placed_in_the_session_graph(
     calls = read_store(str(tmp_path / "claude-code" / "rl-proxy.db"), lambda s: _calls(s, result.session_id))
     edges = [(p.edge, p.parent) for p in place(calls)]
     assert ("subagent", 1) in edges and len(calls) >= 2, (edges, result.error)
+    assert _left(container_engine) == []
+
+
+# A scripted model's summary for Claude Code's compaction (a stub upstream, NOT vLLM), in the
+# form it asks for; and a Stop hook that has it go on twice after answering (Claude Code's -p
+# ends at an answer without a tool call; a 135M model seldom makes one that works).
+SUMMARY = "<analysis>It names one file.</analysis>\n\n<summary>\nrectangle_area in shapes/area.py adds.\n</summary>"
+DECISION = json.dumps({"decision": "block", "reason": "Go on."})
+GO_ON_TWICE = f"touch /tmp/stops; n=$(wc -l < /tmp/stops); echo >> /tmp/stops; [ $n -ge 2 ] || echo '{DECISION}'"
+GO_ON = {"hooks": {"Stop": [{"hooks": [{"type": "command", "command": GO_ON_TWICE}]}]}}
+
+
+def test_claude_codes_compaction_in_the_container_is_placed_in_the_session_graph(
+    container_engine: Any, tmp_path: Path
+) -> None:
+    """Claude Code's own automatic compaction, inside the container: a window set by
+    CLAUDE_CODE_AUTO_COMPACT_WINDOW (without it Claude Code compacts only near the 200k tokens it
+    believes a model has) and a threshold of 0.01% of it, so that it compacts as soon as there is
+    an earlier turn to summarize. The conversation that goes on from the summary is placed as a
+    compaction of the call that wrote it (it was `new`: Claude Code carries only the <summary>
+    block's text)."""
+    env = {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "0.01"}
+    args = ["--settings", json.dumps(GO_ON).replace("{", "{{").replace("}", "}}")]  # args are templates: {prompt}
+    with AppThread(stub_app(answers=["I read the task.", "I read it again."], summary=SUMMARY)) as stub:
+        config = _config(tmp_path, PresetHarness(type="claude-code", args=args, env=env), f"{stub.url}/v1")
+        [result] = collect(config, progress=False)[0]
+    calls = read_store(str(tmp_path / "claude-code" / "rl-proxy.db"), lambda s: _calls(s, result.session_id))
+    summarized = [c.seq for c in calls if "<summary>" in json.dumps(c.request["messages"][-1])]
+    edges = [(p.edge, p.parent) for p in place(calls)]
+    assert result.status == "ok" and len(summarized) == 1, (result.error, edges)
+    assert edges[summarized[0] :] == [("compaction", summarized[0])], edges
     assert _left(container_engine) == []
 
 

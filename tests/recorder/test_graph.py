@@ -236,6 +236,16 @@ def test_a_text_the_model_copied_from_its_prompt_is_no_summary() -> None:
     ]
 
 
+def test_a_summary_block_is_linked_as_claude_code_carries_it() -> None:
+    """Claude Code asks for an <analysis> block and a <summary> block, and carries only the
+    summary's text on, after "Summary:" and with blank lines collapsed: the whole answer is in no
+    later message, so a model that wrote as asked was never linked (a scripted one, issue 47)."""
+    answer = f"<analysis>\nThe test.\n</analysis>\n\n<summary>\n{SUMMARY}\n\n\n\nNext: fix it.\n</summary>"
+    calls = [node(1, ["a"], "Summarize.", answer=answer)]
+    calls.append(node(2, ["b"], f"This session is being continued.\n\nSummary:\n{SUMMARY}\n\nNext: fix it."))
+    assert [(p.edge, p.parent) for p in place(calls)] == [("new", None), ("compaction", 1)]
+
+
 def test_the_main_loop_stays_trained_beside_a_longer_unlinked_subagent_on_another_model() -> None:
     """Defect 1 of issue 39: a subagent that nothing links (here its harness reworded the Agent
     call's prompt) ran 5 calls on another model name, more than the main loop's 3: the vote by
