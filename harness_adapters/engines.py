@@ -5,31 +5,41 @@ With Ray, the driver (`collect`, or the trainer) opens each episode's session th
 proxy's admin API, then runs the rest of the episode (its environment, harness, rewards and the
 end of its session: `EpisodeRunner.play`) as a Ray task on whichever node has the resources it
 asks for. The proxies and the store stay where they are: the task talks to the proxy's URL,
-which its node must reach. A task that Ray could not finish (its node or worker lost, killed
-for memory, an object lost, an error that escaped the episode) is not retried by Ray (its
-session is the driver's): the driver ends the lost attempt's session as `ended` with the error
-"lost: ..." (never trained: an episode trains only when its runner ended it `ok`, or
-`failed`/`timeout` by its harness) and the runner runs the episode again under a new session in
-the same group (metadata `replaces`), up to `attempts` times. A task's episode removes its own
-container only; at the end of the run every live node removes whatever of the run's containers
-is left there (a lost attempt's). When the driver is cancelled (Ctrl-C, SIGTERM), it cancels its
-tasks: each task's episode is cancelled as it would be here (its harness's process group killed,
-its container removed), then the worker is killed.
+which its node must reach. A Harbor task's folder (its image's build context, its tests and
+oracle) travels with it: packed once on the driver, put in Ray's object store, unpacked once per
+node (into the node's temporary directory, by content), so no node needs the dataset on disk.
+
+A task that Ray could not finish (its node or worker lost, killed for memory, an object lost, an
+error that escaped the episode) is not retried by Ray (its session is the driver's): the driver
+ends the lost attempt's session as `ended` with the error "lost: ..." (never trained: an episode
+trains only when its runner ended it `ok`, or `failed`/`timeout` by its harness) and the runner
+runs the episode again under a new session in the same group (metadata `replaces`), up to
+`attempts` times. A task's episode removes its own container only; at the end of the run every
+live node removes whatever of the run's containers is left there (a lost attempt's). When the
+driver is cancelled (Ctrl-C, SIGTERM), it cancels its tasks: each task's episode is cancelled as
+it would be here (its harness's process group killed, its container removed), then the worker
+is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import io
 import logging
 import os
+import shutil
 import signal
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -140,10 +150,41 @@ class Placement:
         return dict(Counter(self.running.values()))
 
 
-def _play(runner: EpisodeRunner, session: SessionInfo, task: Task, n: int, placement: Any) -> EpisodeResult:
-    """A Ray task: one episode of an open session, on this node."""
+def pack_folder(folder: Path) -> bytes:
+    """A task folder as a tar (modes kept: tests/test.sh runs as written)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(folder, arcname=folder.name)
+    return buffer.getvalue()
+
+
+def unpack_folder(packed: bytes) -> Path:
+    """A packed task folder on this node, unpacked once per content: into a fresh folder renamed
+    into place, so that episodes unpacking the same task at once each find it whole."""
+    cache = Path(tempfile.gettempdir()) / "rl-proxy-tasks"
+    home = cache / hashlib.sha256(packed).hexdigest()[:16]
+    if not home.exists():
+        cache.mkdir(exist_ok=True)
+        fresh = Path(tempfile.mkdtemp(dir=cache))
+        with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
+            tar.extractall(fresh, filter="data")
+        try:
+            fresh.rename(home)
+        except OSError:  # another episode's copy got there first
+            shutil.rmtree(fresh, ignore_errors=True)
+    [folder] = home.iterdir()
+    return folder
+
+
+def _play(
+    runner: EpisodeRunner, session: SessionInfo, task: Task, n: int, placement: Any, folder: bytes | None
+) -> EpisodeResult:
+    """A Ray task: one episode of an open session, on this node (a Harbor task's folder, packed,
+    unpacked here)."""
     import ray
 
+    if folder is not None and task.harbor is not None:
+        task = replace(task, harbor=replace(task.harbor, dir=unpack_folder(folder)))
     node = ray.get_runtime_context().get_node_id()
     placement.start.remote(session.id, node)
 
@@ -171,6 +212,7 @@ class RayEngine:
     play_remote: Any  # _play as a Ray task
     submitted: int = 0
     finished: int = 0
+    folders: dict[Path, Any] = field(default_factory=dict)  # task folder: its packed copy in the object store
 
     async def play(
         self, runner: EpisodeRunner, admin: AdminClient, session: SessionInfo, task: Task, n: int
@@ -191,7 +233,12 @@ class RayEngine:
         if self.settings.env_vars:
             options["runtime_env"] = {"env_vars": self.settings.env_vars}
         portable = replace(runner, engine=None)  # what the task needs of it; the engine stays here
-        ref = self.play_remote.options(**options).remote(portable, session, task, n, self.placement)
+        folder = None
+        if task.harbor is not None:
+            if task.harbor.dir not in self.folders:
+                self.folders[task.harbor.dir] = ray.put(pack_folder(task.harbor.dir))
+            folder = self.folders[task.harbor.dir]
+        ref = self.play_remote.options(**options).remote(portable, session, task, n, self.placement, folder)
         self.submitted += 1
         try:
             result: EpisodeResult = await ref

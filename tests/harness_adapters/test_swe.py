@@ -21,8 +21,10 @@ import yaml
 from benchmarks.support.ray_cluster import worker_nodes
 from benchmarks.support.stack import Upstream, read_store
 from benchmarks.support.stub_upstream import stub_app
+from harness_adapters import engines
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, PresetHarness, load_config
+from harness_adapters.engines import pack_folder
 from harness_adapters.environments import ContainerEnvironment
 from harness_adapters.environments.containers import OWNER
 from harness_adapters.environments.oracle import check_tasks
@@ -100,12 +102,20 @@ def test_mini_acts_in_the_container_the_hidden_tests_score(container_engine: Any
 
 @pytest.mark.slow
 def test_the_mini_preset_on_ray_nodes_acts_in_their_containers(
-    ray_cluster: Any, container_engine: Any, tmp_path: Path
+    ray_cluster: Any, container_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 47, item 4: the same preset and task with `rollouts: {engine: ray}` on the local
     cluster's two worker nodes (each finds the task's image on its engine, Podman's behind both,
     or builds it): mini-swe-agent runs in each episode's container on the node Ray chose, the
-    scripted fix scores 1 there, and no container is left."""
+    scripted fix scores 1 there, and no container is left. The task's folder travels with the
+    task: it is gone from the driver's disk once packed, and the nodes still build and score."""
+
+    def pack_then_remove(folder: Path) -> bytes:
+        packed = pack_folder(folder)
+        shutil.rmtree(folder)
+        return packed
+
+    monkeypatch.setattr(engines, "pack_folder", pack_then_remove)
     with AppThread(stub_app(answers=ANSWERS)) as stub:
         config = _config(tmp_path, PresetHarness(type="mini"), f"{stub.url}/v1")
         engine = {"DOCKER_HOST": os.environ["DOCKER_HOST"]}
