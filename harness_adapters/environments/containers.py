@@ -98,7 +98,9 @@ class ContainerEnvironment(HostEnvironment):
         if spec is None:
             return BASE_IMAGE
         if not (spec.dir / "environment" / "Dockerfile").is_file():
-            return str(spec.docker_image)
+            if spec.docker_image is None:  # its folder is gone since the task was read
+                raise ContainerError(f"task {task.id}: no {spec.dir}/environment/Dockerfile and no docker_image")
+            return spec.docker_image
         key = str(spec.dir)  # hashed, looked up and built once a run: not at every episode
         async with self._builds.setdefault(key, asyncio.Lock()):
             if key not in self._images:

@@ -22,6 +22,7 @@ import pytest
 from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
+from harness_adapters.environments.box import ContainerError
 from harness_adapters.environments.containers import BASE_IMAGE, OWNER, ContainerEnvironment
 from harness_adapters.harnesses import CommandAdapter
 from harness_adapters.runner import BUILD_FAILED, EpisodeRunner
@@ -47,6 +48,15 @@ def _task_like(tasks: Path, source: str, name: str, test: str | None = None, tim
         toml.write_text(toml.read_text().replace("timeout_sec = 120.0", f"timeout_sec = {timeout}"))
         with open(tasks / name / "environment" / "Dockerfile", "a") as dockerfile:
             dockerfile.write("RUN touch slow\n")
+
+
+def test_a_task_whose_folder_went_since_it_was_read_is_refused_by_name(tmp_path: Path) -> None:
+    """It was "cannot start a container of None" from the engine (a Ray node given the driver's path)."""
+    shutil.copytree(HARBOR / "tasks" / "hello-file", tmp_path / "hello-file")
+    [task] = load_tasks(tmp_path / "hello-file")
+    shutil.rmtree(tmp_path / "hello-file")
+    with pytest.raises(ContainerError, match="task hello-file: no .*/environment/Dockerfile and no docker_image"):
+        asyncio.run(ContainerEnvironment().image_for(task))
 
 
 def test_tasks_check_tells_a_solution_from_nothing(container_engine: Any, tmp_path: Path) -> None:
