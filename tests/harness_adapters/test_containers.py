@@ -55,7 +55,7 @@ def test_a_task_whose_folder_went_since_it_was_read_is_refused_by_name(tmp_path:
     shutil.copytree(HARBOR / "tasks" / "hello-file", tmp_path / "hello-file")
     [task] = load_tasks(tmp_path / "hello-file")
     shutil.rmtree(tmp_path / "hello-file")
-    with pytest.raises(ContainerError, match="task hello-file: no .*/environment/Dockerfile and no docker_image"):
+    with pytest.raises(ContainerError, match=r"task hello-file: no .*/environment/Dockerfile and no docker_image"):
         asyncio.run(ContainerEnvironment().image_for(task))
 
 
