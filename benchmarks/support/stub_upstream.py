@@ -76,8 +76,9 @@ def stub_app(
     says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
     (`kv_transfer_params.prompt_token_ids`) as vLLM does. With `answers`, a scripted model: an
     answer's text is the conversation's nth (n: its assistant messages so far; the last one
-    after), whole or streamed; with `summary` too, that is the answer where the last message
-    asks for a <summary> block (Claude Code's compaction)."""
+    after), whole or streamed; with `tool_calls` too, a stream's first answer is those calls;
+    with `summary`, the answer where the last message asks for a <summary> block (Claude Code's
+    compaction)."""
     app = FastAPI()
     served: list[int] = []  # chat calls answered so far
 
@@ -153,7 +154,7 @@ def stub_app(
             yield b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"
 
-        if tool_calls:
+        if tool_calls and not (answers and turn):  # scripted: the tools are the first answer
             return StreamingResponse(calls(), media_type="text/event-stream")
 
         async def events():  # type: ignore[no-untyped-def]

@@ -2,9 +2,9 @@
 image from Debian's packages): its tasks tell a fix from nothing; the harness presets (mini-swe-
 agent, Claude Code, Codex CLI) run unchanged inside each episode's container, and against the
 real vLLM each records its calls under the episode's session as exact sequences and fixes
-nothing; with a scripted model (a stub upstream, NOT vLLM) mini-swe-agent's commands fix the bug
-in the very container the hidden tests score, and Claude Code's compaction there is placed in
-the session graph as its subagents are."""
+nothing; with a scripted model (a stub upstream, NOT vLLM) each preset's commands fix the bug in
+the very container the hidden tests score, and Claude Code's compaction there is placed in the
+session graph as its subagents are."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from harness_adapters.engines import pack_folder
 from harness_adapters.environments import ContainerEnvironment
 from harness_adapters.environments.containers import OWNER
 from harness_adapters.environments.oracle import check_tasks
+from harness_adapters.harnesses.presets import PresetName
 from harness_adapters.tasks.harbor import load_harbor
 from proxy.server import AppThread
 from recorder.episodes import Sampling
@@ -97,6 +98,23 @@ def test_mini_acts_in_the_container_the_hidden_tests_score(container_engine: Any
         [result] = collect(_config(tmp_path, PresetHarness(type="mini"), f"{stub.url}/v1"), progress=False)[0]
     assert result.session.outcome and result.session.outcome.harness == "ok", result.error
     assert (result.status, result.reward, result.calls) == ("ok", 1.0, 2)
+    assert _left(container_engine) == []
+
+
+@pytest.mark.parametrize(
+    "preset, tool",
+    [("claude-code", ("Bash", {"command": FIX})), ("codex", ("exec_command", {"cmd": FIX}))],
+)
+def test_claude_code_and_codex_act_in_the_container_the_hidden_tests_score(
+    container_engine: Any, tmp_path: Path, preset: PresetName, tool: tuple[str, dict[str, str]]
+) -> None:
+    """Each told the fix by a scripted model (a stub upstream, NOT vLLM) as its own shell tool's
+    call, then an answer: the task's hidden tests see the fixed file."""
+    name, arguments = tool
+    with AppThread(stub_app(answers=["Fixed."], tool_calls=[(name, json.dumps(arguments))])) as stub:
+        config = _config(tmp_path, PresetHarness(type=preset), f"{stub.url}/v1")
+        [result] = collect(config, progress=False)[0]
+    assert (result.status, result.reward, result.calls) == ("ok", 1.0, 2), result.error
     assert _left(container_engine) == []
 
 
