@@ -73,7 +73,7 @@ system:
 	fi
 
 test: install system
-	RLP_REQUIRE_SYSTEM=1 $(PY) -m pytest -q -ra --durations=15
+	RLP_REQUIRE_SYSTEM=1 $(PY) -m pytest -q -ra --durations=30
 
 # The long soak: 64 sessions, multi-turn, 150 s on SQLite then PostgreSQL (stub upstream),
 # and the fuzz with 200 examples per route.

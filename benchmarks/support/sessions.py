@@ -214,12 +214,14 @@ CLAUDE_ARGS = [
 ]
 
 
-def claude_code_branching(base_url: str, key: str, home: Path, task: str, timeout: float = 600) -> list[str]:
+def claude_code_branching(
+    base_url: str, key: str, home: Path, task: str, timeout: float = 600, compact: bool = True
+) -> list[str]:
     """One Claude Code session that branches as real ones do, in three runs of `claude -p` on one
     proxy session (`key`, whose sampling forces the `Agent` tool where offered): the task, where
     the main loop starts subagents (2 turns); `/compact`, Claude Code's compaction (Agent is not
     offered, so the summary is free text); and "Go on." after it, from the summary (1 turn).
-    Returns what each run printed."""
+    Without `compact`, the first run alone. Returns what each run printed."""
     project = home / "project"
     (project / ".claude" / "agents").mkdir(parents=True, exist_ok=True)
     (project / ".claude" / "agents" / "general-purpose.md").write_text(SUBAGENT)
@@ -243,7 +245,7 @@ def claude_code_branching(base_url: str, key: str, home: Path, task: str, timeou
         (["Go on.", "--resume", session, "--tools", "Bash,Read", "--max-turns", "1"], 120),
     ]
     printed = []
-    for args, most in runs:
+    for args, most in runs if compact else runs[:1]:
         done = subprocess.run(
             [str(HARNESS_BIN / "claude"), "-p", *args, *CLAUDE_ARGS],
             env={**env, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(most)},
