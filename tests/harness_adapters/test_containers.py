@@ -28,15 +28,11 @@ from harness_adapters.harnesses import CommandAdapter
 from harness_adapters.runner import BUILD_FAILED, EpisodeRunner
 from harness_adapters.tasks import load_tasks
 from recorder.episodes import RewardRule
+from tests.support.containers import left
 
 HARBOR = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "harbor"
 HOSTILE = Path(__file__).with_name("hostile_agent.py")
 CLI = [sys.executable, "-m", "trainer.cli"]
-
-
-def _left(engine: Any) -> list[str]:
-    """The containers any rl-proxy run started that are still there."""
-    return [c.name for c in engine.containers.list(all=True, filters={"label": OWNER})]
 
 
 def _task_like(tasks: Path, source: str, name: str, test: str | None = None, timeout: float | None = None) -> None:
@@ -88,7 +84,7 @@ def test_tasks_check_tells_a_solution_from_nothing(container_engine: Any, tmp_pa
     assert (tmp_path / "logs" / "fix-add" / "oracle" / "verifier" / "reward.json").is_file()  # the logs are kept
     again = subprocess.run([*check[:5], str(tasks / "hello-file")], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "building image" not in again.stderr, again.stderr  # built once, cached
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 @pytest.mark.vllm
@@ -163,7 +159,7 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
         if result.task.id != "slow":
             # The task's memory_mb (512) and cpus (1: 100,000 us of every 100,000) were the container's limits.
             assert f"limits {512 * 2**20} 100000" in (workdir / "harness.stdout").read_text()
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 def test_the_runs_sweep_is_not_undone_by_a_container_its_episode_removed_meanwhile(container_engine: Any) -> None:
@@ -184,7 +180,7 @@ def test_the_runs_sweep_is_not_undone_by_a_container_its_episode_removed_meanwhi
 
     api.containers = list_then_lose_one
     environment.close()
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 @pytest.mark.vllm
@@ -220,7 +216,7 @@ def test_sigterm_removes_every_container_it_started(
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     assert job.returncode == 130, output[-4000:]
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 def test_a_warm_pool_starts_the_next_episodes_containers_and_leaves_none(
@@ -249,7 +245,7 @@ def test_a_warm_pool_starts_the_next_episodes_containers_and_leaves_none(
 
     assert asyncio.run(asyncio.wait_for(announce_and_wait(), 60)) == 2
     environment.close()
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 @pytest.mark.vllm
@@ -279,4 +275,4 @@ def test_a_hostile_agent_reaches_its_model_and_nothing_else_and_cannot_write_its
     assert db is not None
     sessions = read_store(db, lambda s: s.list_sessions())
     assert [(s.id, s.calls) for s in sessions] == [(result.session_id, 2)]  # both calls its own, no other session
-    assert _left(container_engine) == []
+    assert left(container_engine) == []

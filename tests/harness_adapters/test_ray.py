@@ -26,8 +26,8 @@ from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
 from harness_adapters.engines import RayRollouts
-from harness_adapters.environments.containers import OWNER
 from recorder.episodes import RewardRule
+from tests.support.containers import left
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "arithmetic"
@@ -115,7 +115,7 @@ def test_container_episodes_keep_each_others_containers_and_a_lost_nodes_contain
     assert sorted(s.id for s in trained) == sorted(r.session_id for r in results)  # the lost never train
     groups = [s.group_id for s in trained]
     assert all(groups.count(g) == 2 for g in groups)  # each group complete, exactly once
-    assert container_engine.containers.list(all=True, filters={"label": OWNER}) == []
+    assert left(container_engine) == []
 
 
 def _node_running_an_episode(cluster: Any) -> Any:

@@ -19,20 +19,20 @@ import pytest
 import yaml
 
 from benchmarks.support.ray_cluster import worker_nodes
-from benchmarks.support.stack import Upstream, read_store
+from benchmarks.support.stack import Upstream, read_calls
 from benchmarks.support.stub_upstream import stub_app
 from harness_adapters import engines
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, PresetHarness, load_config
 from harness_adapters.engines import pack_folder
 from harness_adapters.environments import ContainerEnvironment
-from harness_adapters.environments.containers import OWNER
 from harness_adapters.environments.oracle import check_tasks
 from harness_adapters.harnesses.presets import PresetName
 from harness_adapters.tasks.harbor import load_harbor
 from proxy.server import AppThread
 from recorder.episodes import Sampling
 from recorder.graph import build_sequences, place
+from tests.support.containers import left
 from trainer.config import TrainConfig
 
 SWE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" / "swe"
@@ -65,10 +65,6 @@ def test_the_trainer_scores_at_the_temperature_mini_samples_at(example: str, age
     assert config.train.grpo.get("temperature", 1.0) == sampled
 
 
-def _left(engine: Any) -> list[str]:
-    return [c.name for c in engine.containers.list(all=True, filters={"label": OWNER})]
-
-
 # One task of each kind of bug, of both splits: `rl-proxy tasks check harness_adapters/examples/swe/tasks`
 # checks all 24 (docs/environments.md), 24 image builds on a fresh machine.
 CHECKED = {"rect-area", "range-sum", "empty-mean", "config-key", "mutable-default", "cart-tax"}
@@ -82,7 +78,7 @@ def test_the_swe_tasks_score_their_fix_1_and_nothing_0(container_engine: Any, tm
     assert {r.task: (r.oracle_reward, r.noop_reward, r.error) for r in results} == {
         t.id: (1.0, 0.0, None) for t in tasks
     }
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 # A scripted model's answers to mini-swe-agent (a stub upstream, NOT vLLM): the fix, then mini's own submit.
@@ -98,7 +94,7 @@ def test_mini_acts_in_the_container_the_hidden_tests_score(container_engine: Any
         [result] = collect(_config(tmp_path, PresetHarness(type="mini"), f"{stub.url}/v1"), progress=False)[0]
     assert result.session.outcome and result.session.outcome.harness == "ok", result.error
     assert (result.status, result.reward, result.calls) == ("ok", 1.0, 2)
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 @pytest.mark.parametrize(
@@ -115,7 +111,7 @@ def test_claude_code_and_codex_act_in_the_container_the_hidden_tests_score(
         config = _config(tmp_path, PresetHarness(type=preset), f"{stub.url}/v1")
         [result] = collect(config, progress=False)[0]
     assert (result.status, result.reward, result.calls) == ("ok", 1.0, 2), result.error
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 @pytest.mark.slow
@@ -142,7 +138,7 @@ def test_the_mini_preset_on_ray_nodes_acts_in_their_containers(
         results = collect(config, progress=False)[0]
     assert [(r.status, r.reward, r.calls) for r in results] == [("ok", 1.0, 2)] * 2, [r.error for r in results]
     assert {r.node for r in results} <= worker_nodes(ray_cluster) and all(r.node for r in results)
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 @pytest.mark.vllm
@@ -170,12 +166,12 @@ def test_each_preset_records_exact_sequences_in_the_container_and_fixes_nothing(
         config.proxy.max_completion_tokens = 48  # short answers: the harness is tested here, not the model
         [result] = collect(config, progress=False)[0]
         assert (result.status, result.reward) == ("ok", 0.0), (name, result.error)
-        calls = read_store(str(tmp_path / name / "rl-proxy.db"), lambda s, sid=result.session_id: _calls(s, sid))
+        calls = read_calls(str(tmp_path / name / "rl-proxy.db"), result.session_id)
         assert calls and all(c.ok and c.api == api and c.completions[0].token_ids for c in calls), name
         report = build_sequences(calls)
         assert sum(len(s.calls) for s in report.sequences) == report.calls == len(calls), (name, report)
         assert not report.skipped, name
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 @pytest.mark.vllm
@@ -195,10 +191,10 @@ def test_claude_codes_subagent_in_the_container_is_placed_in_the_session_graph(
         update={"sampling": Sampling(tool_choice="Agent", temperature=0)}
     )
     [result] = collect(config, progress=False)[0]
-    calls = read_store(str(tmp_path / "claude-code" / "rl-proxy.db"), lambda s: _calls(s, result.session_id))
+    calls = read_calls(str(tmp_path / "claude-code" / "rl-proxy.db"), result.session_id)
     edges = [(p.edge, p.parent) for p in place(calls)]
     assert ("subagent", 1) in edges and len(calls) >= 2, (edges, result.error)
-    assert _left(container_engine) == []
+    assert left(container_engine) == []
 
 
 # A scripted model's summary for Claude Code's compaction (a stub upstream, NOT vLLM), in the
@@ -224,13 +220,9 @@ def test_claude_codes_compaction_in_the_container_is_placed_in_the_session_graph
     with AppThread(stub_app(answers=["I read the task.", "I read it again."], summary=SUMMARY)) as stub:
         config = _config(tmp_path, PresetHarness(type="claude-code", args=args, env=env), f"{stub.url}/v1")
         [result] = collect(config, progress=False)[0]
-    calls = read_store(str(tmp_path / "claude-code" / "rl-proxy.db"), lambda s: _calls(s, result.session_id))
+    calls = read_calls(str(tmp_path / "claude-code" / "rl-proxy.db"), result.session_id)
     summarized = [c.seq for c in calls if "<summary>" in json.dumps(c.request["messages"][-1])]
     edges = [(p.edge, p.parent) for p in place(calls)]
     assert result.status == "ok" and len(summarized) == 1, (result.error, edges)
     assert edges[summarized[0] :] == [("compaction", summarized[0])], edges
-    assert _left(container_engine) == []
-
-
-async def _calls(store: Any, session_id: str) -> list[Any]:
-    return [c async for c in store.iter_calls(session_id)]
+    assert left(container_engine) == []
