@@ -25,7 +25,7 @@ from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads, thread_state
 from proxy.upstream import VERSION_PATIENCE, Upstream
-from proxy.vllm import VllmServer
+from proxy.vllm import VllmServer, dtype_args
 from recorder.caches import ENTRY
 from recorder.records import ThreadRecord
 
@@ -396,3 +396,17 @@ async def test_only_a_call_that_holds_an_answer_reads_the_sessions_threads_back(
     follow = [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     await threads.plan(upstream, "s", {"model": "m", "messages": follow}, "c2", recorded)
     assert reads == ["read"]
+
+
+def test_vllm_on_a_cpu_without_bf16_instructions_serves_float32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU build downcasts to bfloat16, which such a CPU emulates at half the speed."""
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    without, with_amx = tmp_path / "without", tmp_path / "with"
+    without.write_text("flags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
+    with_amx.write_text("flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert dtype_args([], without) == ["--dtype", "float32"]
+    assert dtype_args([], with_amx) == []
+    assert dtype_args(["--dtype=bfloat16"], without) == dtype_args(["--dtype", "half"], without) == []
+    assert dtype_args([], tmp_path / "no-cpuinfo") == []
