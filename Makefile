@@ -109,6 +109,7 @@ bench: install
 	$(PY) -m benchmarks.bench_train_step
 	$(PY) -m benchmarks.bench_viewer
 	$(PY) -m benchmarks.bench_scale
+	$(PY) -m benchmarks.bench_vllm_dtype
 	$(PY) -m benchmarks.claude_code_graph --episodes 3
 
 # One optimizer step on the example's batch: TRL's plain padded batch against each group's prompt
@@ -136,6 +137,7 @@ bench-environments: install system
 # Full fine-tuning vs LoRA vs two processes (step time, memory), and adapter load vs full reload.
 bench-scale: install
 	$(PY) -m benchmarks.bench_scale
+	$(PY) -m benchmarks.bench_vllm_dtype
 
 # Each shipped example trained with 3 seeds: held-out success before and after, mean and spread
 # (hours on 2 cores; a seed that finished is not run again).

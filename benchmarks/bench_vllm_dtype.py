@@ -1,0 +1,73 @@
+"""vLLM's CPU build in bfloat16 against float32 (`python -m benchmarks.bench_vllm_dtype`): the
+default model read from a long prompt, and decoded one stream and 8 at a time, one server per
+dtype on this machine, one after the other. On a CPU without bfloat16 instructions vLLM emulates
+them, and rl-proxy starts it in float32 there (proxy/vllm.py `dtype_args`): this shows why, and
+on a CPU that has them, whether vLLM's own bfloat16 is the faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from openai import AsyncOpenAI
+
+from proxy.model import resolve_model
+from proxy.vllm import VllmServer
+
+
+async def measure(client: AsyncOpenAI, model: str, rounds: int) -> tuple[float, float, float]:
+    """Median seconds to read a 4,900-token prompt (a new one each round: no prefix cache), and
+    decode tokens/s with one stream and with 8."""
+
+    async def decode(streams: int) -> float:
+        async def one() -> int:
+            answer = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Write a story."}],
+                max_tokens=128,
+                extra_body={"min_tokens": 128},
+            )
+            return answer.usage.completion_tokens if answer.usage else 0
+
+        start = time.monotonic()
+        tokens = sum(await asyncio.gather(*(one() for _ in range(streams))))
+        return tokens / (time.monotonic() - start)
+
+    reads, ones, eights = [], [], []
+    await decode(1)  # warm
+    for i in range(rounds):
+        prompt = f"{i} " + " ".join(f"word{j}" for j in range(1200))
+        start = time.monotonic()
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=1)
+        reads.append(time.monotonic() - start)
+        ones.append(await decode(1))
+        eights.append(await decode(8))
+    return statistics.median(reads), statistics.median(ones), statistics.median(eights)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    path, name = resolve_model("default")
+    rows = []
+    with tempfile.TemporaryDirectory() as logs:
+        for dtype in ("bfloat16", "float32"):
+            print(f"starting vLLM in {dtype}", flush=True)
+            extra = ["--enforce-eager", "--dtype", dtype]
+            log = Path(logs) / f"{dtype}.log"
+            with VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=extra) as server:
+                client = AsyncOpenAI(base_url=server.base_url, api_key="bench", timeout=600)
+                rows.append((dtype, *asyncio.run(measure(client, name, args.rounds))))
+    print("\n| dtype | 4,900-token prompt s | 1 stream tokens/s | 8 streams tokens/s |\n|---|---:|---:|---:|")
+    for dtype, read, one, eight in rows:
+        print(f"| {dtype} | {read:.1f} | {one:.1f} | {eight:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
