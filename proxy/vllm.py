@@ -60,9 +60,9 @@ def lora_slot(rank: int) -> int:
 def dtype_args(extra_args: list[str], cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """`--dtype float32` for vLLM's CPU build on a CPU without bfloat16 instructions (x86 without
     avx512_bf16 or amx_bf16), unless `extra_args` names a dtype. vLLM's dtype auto downcasts a
-    float32 checkpoint to bfloat16, which such a CPU emulates: SmolLM2-135M on one such core took
-    56 s to read a 4,921-token prompt in bfloat16 and 24-30 s in float32, and decoded 8 streams at
-    35 tokens/s against 71 (one stream: 15 against 12). Where it has them, vLLM's own choice stands."""
+    float32 checkpoint to bfloat16, which such a CPU emulates at about half the speed of float32
+    (`python -m benchmarks.bench_vllm_dtype`; docs/training.md). Where it has them, vLLM's own
+    choice stands."""
     if platform.machine() != "x86_64" or any(arg.split("=")[0] == "--dtype" for arg in extra_args):
         return []
     try:
@@ -97,6 +97,7 @@ class VllmServer:
         self.served_name = served_name
         self.port = port or free_port()
         self.log_file = log_file
+        extra_args = extra_args or []
         self.command = [
             sys.executable,
             "-m",
@@ -119,8 +120,8 @@ class VllmServer:
             "--logprobs-mode",
             "processed_logprobs",
             *(["--enable-lora", "--max-lora-rank", str(lora_slot(lora_rank)), "--max-loras", "2"] if lora_rank else []),
-            *dtype_args(extra_args or []),
-            *(extra_args or []),
+            *dtype_args(extra_args),
+            *extra_args,
         ]
         self.process: subprocess.Popen[bytes] | None = None
         self.sockets: Path | None = None  # vLLM's ZeroMQ sockets, removed with the server
