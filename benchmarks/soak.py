@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.support.load import KINDS, Load, p99, proxy, run_load, stack, verify
+from benchmarks.support.stack import process
+from proxy.vllm import free_port
 
 
 def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> list[dict[str, Any]]:
@@ -52,10 +54,17 @@ def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> li
 
 def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     """Calls/s recorded into each store at `sessions` clients, and the latency the proxy adds
-    over a direct call to the stub; rounds alternate between targets against machine noise."""
-    samples: dict[str, list[Load]] = {"direct": [], "sqlite": [], "postgresql": []}
+    over a direct call to the stub; rounds alternate between targets against machine noise.
+    Beside them the passthrough floor (benchmarks/support/passthrough.py: the same HTTP server
+    and client, recording nothing): the most a proxy in one process of this stack can pass."""
+    samples: dict[str, list[Load]] = {"direct": [], "passthrough": [], "sqlite": [], "postgresql": []}
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
-        bases = {"direct": upstream}
+        floor = free_port()
+        cmd = [sys.executable, "-m", "benchmarks.support.passthrough", "--port", str(floor), "--upstream", upstream]
+        running.enter_context(
+            process(cmd, f"http://127.0.0.1:{floor}/v1/models", Path(tempfile.mkdtemp()) / "floor.log")
+        )
+        bases = {"direct": upstream, "passthrough": f"http://127.0.0.1:{floor}/v1"}
         for kind, db in dbs.items():
             bases[kind], _ = running.enter_context(proxy(upstream, db, Path(tempfile.mkdtemp()) / "proxy.log"))
         for round_ in range(rounds):
@@ -68,15 +77,19 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         f"\nCalls recorded per second at {sessions} concurrent clients, multi-turn chat (stub upstream: "
         f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s)\n"
     )
-    print("| target | calls/s (median of rounds) | latency median ms | p99 ms | added median ms | lost or mismatched |")
+    print(
+        "| target | calls/s (median of rounds; x direct) | latency median ms | p99 ms | added median ms"
+        " | lost or mismatched |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
+    names = {"direct": "direct (the stub alone)", "passthrough": "the passthrough floor (records nothing)"}
+    rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}
     for name, loads in samples.items():
         values = [x for load in loads for x in load.latencies]
-        lost = "-" if name == "direct" else str(len(problems[name]))
         print(
-            f"| {name if name == 'direct' else f'rl-proxy + {name}'} | "
-            f"{statistics.median(load.rate for load in loads):.0f} | {statistics.median(values):.1f} | "
-            f"{p99(values):.1f} | {statistics.median(values) - direct:.1f} | {lost} |"
+            f"| {names.get(name, f'rl-proxy + {name}')} | {rate[name]:.0f} ({rate[name] / rate['direct']:.2f}x) | "
+            f"{statistics.median(values):.1f} | {p99(values):.1f} | {statistics.median(values) - direct:.1f} | "
+            f"{len(problems[name]) if name in problems else '-'} |"
         )
     if any(problems.values()):
         sys.exit(f"calls were lost or mismatched: {problems}")
