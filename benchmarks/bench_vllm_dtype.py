@@ -1,14 +1,17 @@
-"""vLLM's CPU build in bfloat16 against float32 (`python -m benchmarks.bench_vllm_dtype`): the
-default model read from a long prompt, and decoded one stream and 8 at a time, one server per
-dtype on this machine, one after the other. On a CPU without bfloat16 instructions vLLM emulates
-them, and rl-proxy starts it in float32 there (proxy/vllm.py `dtype_args`): this shows why, and
-on a CPU that has them, whether vLLM's own bfloat16 is the faster.
+"""vLLM's CPU build in bfloat16 against float32, and with one CPU held back against none
+(`python -m benchmarks.bench_vllm_dtype`): the default model read from a long prompt, and decoded
+one stream and 8 at a time, one server per setting on this machine, one after the other. On a CPU
+without bfloat16 instructions vLLM emulates them, and rl-proxy starts it in float32 there
+(proxy/vllm.py `dtype_args`); vLLM keeps a CPU for its server processes, and rl-proxy keeps none
+on a machine of two CPUs or fewer (`cpu_env`): this shows why, and on another machine, whether
+vLLM's own choices are the faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -57,16 +60,19 @@ def main() -> None:
     path, name = resolve_model("default")
     rows = []
     with tempfile.TemporaryDirectory() as logs:
-        for dtype in ("bfloat16", "float32"):
-            print(f"starting vLLM in {dtype}", flush=True)
+        for dtype, reserved in (("bfloat16", "1"), ("float32", "1"), ("float32", "0")):
+            print(f"starting vLLM in {dtype}, {reserved} CPU held back", flush=True)
             extra = ["--enforce-eager", "--dtype", dtype]
-            log = Path(logs) / f"{dtype}.log"
+            log = Path(logs) / f"{dtype}-{reserved}.log"
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved
             with VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=extra) as server:
                 client = AsyncOpenAI(base_url=server.base_url, api_key="bench", timeout=600)
-                rows.append((dtype, *asyncio.run(measure(client, name, args.rounds))))
-    print("\n| dtype | 4,900-token prompt s | 1 stream tokens/s | 8 streams tokens/s |\n|---|---:|---:|---:|")
-    for dtype, read, one, eight in rows:
-        print(f"| {dtype} | {read:.1f} | {one:.1f} | {eight:.1f} |")
+                rows.append((dtype, reserved, *asyncio.run(measure(client, name, args.rounds))))
+    print(f"\n{len(os.sched_getaffinity(0))} CPUs")
+    print("| dtype | CPUs held back | 4,900-token prompt s | 1 stream tokens/s | 8 streams tokens/s |")
+    print("|---|---:|---:|---:|---:|")
+    for dtype, reserved, read, one, eight in rows:
+        print(f"| {dtype} | {reserved} | {read:.1f} | {one:.1f} | {eight:.1f} |")
 
 
 if __name__ == "__main__":

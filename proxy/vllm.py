@@ -73,21 +73,6 @@ def dtype_args(extra_args: list[str], cpuinfo: Path = Path("/proc/cpuinfo")) -> 
     return [] if "avx512_bf16" in flags or "amx_bf16" in flags else ["--dtype", "float32"]
 
 
-def cpu_env(environ: dict[str, str], cpus: int) -> dict[str, str]:
-    """No CPU held back from vLLM's CPU build on a machine of two CPUs or fewer, unless the
-    environment binds or reserves them itself. By default it binds its OpenMP threads to all
-    CPUs but one and keeps that one for its server processes: half of a 2-CPU machine, where its
-    model runs faster on both (a 4,921-token prompt read in 16-17 s against 24-30 s, and the
-    Claude Code and Codex tests in 364 s against 448 s, 2026-11-28: docs/development.md)."""
-    if cpus > 2 or {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"} & environ.keys():
-        return {}
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return {}
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-
 LOG_EVERY = 10.0  # seconds between progress lines when the output is not a terminal
 
 
@@ -160,7 +145,6 @@ class VllmServer:
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter, used only with --enable-lora
-            **cpu_env(dict(os.environ), len(os.sched_getaffinity(0))),
         }
         # vLLM names its processes' IPC sockets by UUID in this folder (the temp dir by default) and
         # leaves them there when it stops: seven a start.

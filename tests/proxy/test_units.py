@@ -25,7 +25,7 @@ from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads, thread_state
 from proxy.upstream import VERSION_PATIENCE, Upstream
-from proxy.vllm import VllmServer, cpu_env, dtype_args
+from proxy.vllm import VllmServer, dtype_args
 from recorder.caches import ENTRY
 from recorder.records import ThreadRecord
 
@@ -410,10 +410,3 @@ def test_vllm_on_a_cpu_without_bf16_instructions_serves_float32(
     assert dtype_args([], with_amx) == []
     assert dtype_args(["--dtype=bfloat16"], without) == dtype_args(["--dtype", "half"], without) == []
     assert dtype_args([], tmp_path / "no-cpuinfo") == []
-
-
-def test_vllm_on_two_cpus_keeps_none_back_unless_told() -> None:
-    """vLLM's CPU build keeps a CPU for its server processes: half of a 2-CPU machine."""
-    assert cpu_env({}, 2) == cpu_env({"PATH": "/bin"}, 1) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert cpu_env({}, 16) == {}
-    assert cpu_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}, 2) == cpu_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 2) == {}
