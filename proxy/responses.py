@@ -89,8 +89,8 @@ def validate(body: dict[str, Any]) -> None:
     given, previous = body.get("input"), body.get("previous_response_id")
     if not (isinstance(given, str) and given) and not (isinstance(given, list) and (given or previous)):
         raise BadRequest("'input' is required and must be a non-empty string or list of items", param="input")
-    if previous is not None and not isinstance(previous, str):
-        raise BadRequest("'previous_response_id' must be a string", param="previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or "\x00" in previous):  # PostgreSQL refuses NUL
+        raise BadRequest("'previous_response_id' must be a string without NUL", param="previous_response_id")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     for name in UNSUPPORTED:

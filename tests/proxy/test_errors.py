@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from benchmarks.support.stack import Upstream
+from benchmarks.support.stack import Upstream, new_database
 from benchmarks.support.stub_upstream import COMPLETION, MODEL, stub_app
 from proxy.server import AppThread
 from proxy.threads import NO_RENDERING
@@ -345,3 +345,18 @@ def _no_rendering(proxy: Any, caplog: Any) -> None:
     assert first.thread_start == "first call of the session seen by this proxy"
     assert [c.thread_start for c in rest] == [NO_RENDERING] * 2 and not any(c.token_in for c in rest)
     assert len([r for r in caplog.records if "no /tokenize" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_previous_response_id_with_a_nul_is_a_400_on_either_store(
+    make_proxy: Any, request: pytest.FixtureRequest, kind: str
+) -> None:
+    """PostgreSQL's text refuses NUL even in a query's parameter: found by `make soak`'s long fuzz,
+    such an id was looked up, and the refusal answered 503 "the store is unavailable"."""
+    db = new_database(request.getfixturevalue("postgres")) if kind == "postgresql" else None
+    with AppThread(stub_app()) as stub:
+        proxy = make_proxy(f"{stub.url}/v1", db=db)
+        body = {"model": MODEL, "input": "Hi", "previous_response_id": "resp_\x00"}
+        resp = httpx.post(f"{proxy.v1}/responses", json=body, headers={"x-api-key": "s-nul"})
+        assert_openai_error(resp, 400, "previous_response_id")
+        assert httpx.post(f"{proxy.v1}/responses", json={"model": MODEL, "input": "Hi"}).status_code == 200
