@@ -2,9 +2,10 @@
 (`python -m benchmarks.bench_vllm_dtype`): the default model read from a long prompt, and decoded
 one stream and 8 at a time, one server per setting on this machine, one after the other. On a CPU
 without bfloat16 instructions vLLM emulates them, and rl-proxy starts it in float32 there
-(proxy/vllm.py `dtype_args`); vLLM keeps a CPU for its server processes, and rl-proxy keeps none
-on a machine of two CPUs or fewer (`cpu_env`): this shows why, and on another machine, whether
-vLLM's own choices are the faster.
+(proxy/vllm.py `dtype_args`): this shows why, and on a CPU that has them, whether vLLM's own
+bfloat16 is the faster. vLLM also keeps one CPU for its server processes; the last row keeps none
+(`VLLM_CPU_NUM_OF_RESERVED_CPU=0`): faster serving on two CPUs, but rl-proxy leaves vLLM's choice,
+since a learner training beside it was slower (docs/development.md).
 """
 
 from __future__ import annotations
