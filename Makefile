@@ -134,7 +134,8 @@ bench-profile: install
 bench-environments: install system
 	$(PY) -m benchmarks.bench_environments
 
-# Full fine-tuning vs LoRA vs two processes (step time, memory), and adapter load vs full reload.
+# Full fine-tuning vs LoRA vs two processes (step time, memory), and adapter load vs full reload;
+# then vLLM's CPU build in bfloat16 and float32, with one CPU held back and none.
 bench-scale: install
 	$(PY) -m benchmarks.bench_scale
 	$(PY) -m benchmarks.bench_vllm_dtype

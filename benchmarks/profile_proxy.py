@@ -26,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.support.passthrough import floor
 from benchmarks.support.stack import process
 from benchmarks.support.stub_upstream import MODEL
 from proxy.vllm import free_port
@@ -105,7 +106,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="how long py-spy samples each shape")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlp-profile-"))
-    stub_port, floor_port, rlp_port = free_port(), free_port(), free_port()
+    stub_port, rlp_port = free_port(), free_port()
     stub = f"http://127.0.0.1:{stub_port}/v1"
     py = sys.executable
     serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(work / "p.db"), "--port", str(rlp_port)]
@@ -115,16 +116,12 @@ def main() -> None:
             f"{stub}/models",
             work / "stub.log",
         ),
-        process(
-            [py, "-m", "benchmarks.support.passthrough", "--port", str(floor_port), "--upstream", stub],
-            f"http://127.0.0.1:{floor_port}/v1/models",
-            work / "passthrough.log",
-        ),
+        floor(stub, work / "passthrough.log") as passthrough,
         process(serve, f"http://127.0.0.1:{rlp_port}/healthz", work / "rl-proxy.log") as proxy,
     ):
         targets = {
             "direct": f"{stub}/chat/completions",
-            "passthrough": f"http://127.0.0.1:{floor_port}/v1/chat/completions",
+            "passthrough": f"{passthrough}/chat/completions",
             "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
         }
         rows = []
@@ -146,10 +143,10 @@ def main() -> None:
             rows.append((shape, medians, made, breakdown(raw, made)))
             print(f"  {shape}: done", file=sys.stderr)
     for shape, medians, made, parts in rows:
-        floor, added = (medians[name] - medians["direct"] for name in ("passthrough", "rl-proxy"))
+        floored, added = (medians[name] - medians["direct"] for name in ("passthrough", "rl-proxy"))
         print(
             f"\n{shape} calls, 1 client, stub upstream at 0 ms, medians of {ROUNDS} interleaved rounds of 100: "
-            f"direct {medians['direct']:.2f} ms; the passthrough floor adds {floor:.2f}, rl-proxy {added:.2f}. "
+            f"direct {medians['direct']:.2f} ms; the passthrough floor adds {floored:.2f}, rl-proxy {added:.2f}. "
             f"rl-proxy's CPU ms a call by part (py-spy, {made} calls sampled):\n"
         )
         print("| part | CPU ms a call |")

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.support.load import KINDS, Load, p99, proxy, run_load, stack, verify
-from benchmarks.support.stack import process
-from proxy.vllm import free_port
+from benchmarks.support.passthrough import floor
 
 
 def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> list[dict[str, Any]]:
@@ -59,12 +58,8 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     and client, recording nothing): the most a proxy in one process of this stack can pass."""
     samples: dict[str, list[Load]] = {"direct": [], "passthrough": [], "sqlite": [], "postgresql": []}
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
-        floor = free_port()
-        cmd = [sys.executable, "-m", "benchmarks.support.passthrough", "--port", str(floor), "--upstream", upstream]
-        running.enter_context(
-            process(cmd, f"http://127.0.0.1:{floor}/v1/models", Path(tempfile.mkdtemp()) / "floor.log")
-        )
-        bases = {"direct": upstream, "passthrough": f"http://127.0.0.1:{floor}/v1"}
+        passthrough = running.enter_context(floor(upstream, Path(tempfile.mkdtemp()) / "floor.log"))
+        bases = {"direct": upstream, "passthrough": passthrough}
         for kind, db in dbs.items():
             bases[kind], _ = running.enter_context(proxy(upstream, db, Path(tempfile.mkdtemp()) / "proxy.log"))
         for round_ in range(rounds):

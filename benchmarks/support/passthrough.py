@@ -8,12 +8,17 @@ Run alone: python -m benchmarks.support.passthrough --port 9001 --upstream http:
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
 import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request, Response
+
+from benchmarks.support.stack import process
+from proxy.vllm import free_port
 
 
 def passthrough_app(upstream: str) -> FastAPI:
@@ -38,6 +43,15 @@ def passthrough_app(upstream: str) -> FastAPI:
             return Response(await resp.read(), resp.status, media_type="application/json")
 
     return app
+
+
+@contextmanager
+def floor(upstream: str, log: Path) -> Iterator[str]:
+    """The floor in a process of its own in front of `upstream`: its …/v1 URL; stopped afterwards."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.support.passthrough", "--port", str(port), "--upstream", upstream]
+    with process(cmd, f"http://127.0.0.1:{port}/v1/models", log):
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 def main() -> None:
