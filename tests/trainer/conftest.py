@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.support.stack import Upstream
 from proxy.model import resolve_model
+from proxy.vllm import VllmServer
 from trainer.weight_sync import hot_swap
 
 
@@ -41,6 +42,28 @@ def restore(vllm: Upstream, base: Path) -> Iterator[str]:
     yield root
     httpx.post(f"{root}/resume", timeout=60).raise_for_status()
     asyncio.run(hot_swap([root], base, "0", base))
+
+
+@pytest.fixture(scope="session")
+def _second(vllm: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    path, name = resolve_model("default")
+    log = tmp_path_factory.mktemp("second-vllm") / "vllm.log"
+    server = VllmServer(
+        path, name, log_file=log, max_model_len=vllm.max_model_len, extra_args=["--enforce-eager"], lora_rank=16
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def second_vllm(_second: VllmServer) -> VllmServer:
+    """A second vLLM beside the shared one, started as the launcher starts it for LoRA
+    (`max_lora_rank`): the LoRA tests' server, then the second replica of the replica test, which
+    stops it (test files run in name order: test_lora_vllm.py before test_swap_vllm.py); started
+    again if a later test asks for it. One start instead of two, 45-60 s each on 2 cores."""
+    if _second.process is None or _second.process.poll() is not None:
+        _second.start()
+    return _second
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
 """LoRA on the real vLLM CPU build: adapters loaded at runtime while clients stream through the
 proxy (nothing pauses, no call fails, each call stamped with the adapter that served it), and
-`rl-proxy train` with a `lora:` section for two steps. One vLLM of its own, started as the
-launcher starts it for LoRA (`max_lora_rank`)."""
+`rl-proxy train` with a `lora:` section for two steps. On a second vLLM beside the shared one,
+started as the launcher starts it for LoRA (`max_lora_rank`; tests/trainer/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +28,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" 
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
 
-@pytest.fixture(scope="module")
-def lora_vllm(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    log = tmp_path_factory.mktemp("lora-vllm") / "vllm.log"
-    with VllmServer(
-        str(base),
-        "SmolLM2-135M-Instruct",
-        log_file=log,
-        max_model_len=4096,
-        extra_args=["--enforce-eager"],
-        lora_rank=16,
-    ) as server:
-        yield Upstream(server.base_url, "SmolLM2-135M-Instruct", 4096, log)
+@pytest.fixture
+def lora_vllm(second_vllm: VllmServer) -> Upstream:
+    return Upstream(second_vllm.base_url, second_vllm.served_name, 8192, second_vllm.log_file)
 
 
 def _adapter(base: Path, out: Path, seed: int) -> Path:

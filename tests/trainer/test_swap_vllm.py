@@ -138,40 +138,36 @@ def test_a_swap_whose_announce_fails_after_every_reload_rolls_back(
 
 
 def test_two_replicas_pinned_swapped_and_one_lost(
-    make_proxy: Any, vllm: Upstream, restore: str, changed: Path, base: Path, tmp_path: Path
+    make_proxy: Any, vllm: Upstream, second_vllm: VllmServer, restore: str, changed: Path, base: Path
 ) -> None:
-    """Two real vLLM servers behind one proxy (the shared one and a second of its own): each
-    session stays on the server the hash gives it, both record token ids, one hot swap moves
-    both to the new weights, and when the second dies its sessions go on on the first."""
-    from proxy.model import resolve_model
+    """Two real vLLM servers behind one proxy (the shared one and the second, LoRA enabled,
+    serving the base model): each session stays on the server the hash gives it, both record
+    token ids, one hot swap moves both to the new weights, and when the second dies its sessions
+    go on on the first."""
+    second = second_vllm
+    urls = [vllm.url, second.base_url]
+    asyncio.run(set_version(restore, "0"))
+    asyncio.run(set_version(second.base_url.removesuffix("/v1"), "0"))
+    proxy = make_proxy(",".join(urls), version_poll_interval=0.2)
+    pinning = Upstreams.from_urls(",".join(urls), timeout=1, connect_timeout=1, api_key=None)
+    home: dict[str, str] = {}  # three sessions the hash puts on each server
+    for key in (f"replica-{i}" for i in range(100)):
+        url = pinning.for_session(key).base_url
+        if list(home.values()).count(url) < 3:
+            home[key] = url
+    assert len(home) == 6
 
-    path, name = resolve_model("default")
-    with VllmServer(
-        path, name, log_file=tmp_path / "second.log", max_model_len=vllm.max_model_len, extra_args=["--enforce-eager"]
-    ) as second:
-        urls = [vllm.url, second.base_url]
-        asyncio.run(set_version(restore, "0"))
-        asyncio.run(set_version(second.base_url.removesuffix("/v1"), "0"))
-        proxy = make_proxy(",".join(urls), version_poll_interval=0.2)
-        pinning = Upstreams.from_urls(",".join(urls), timeout=1, connect_timeout=1, api_key=None)
-        home: dict[str, str] = {}  # three sessions the hash puts on each server
-        for key in (f"replica-{i}" for i in range(100)):
-            url = pinning.for_session(key).base_url
-            if list(home.values()).count(url) < 3:
-                home[key] = url
-        assert len(home) == 6
+    def ask(key: str) -> float:
+        client = AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0, timeout=120)
+        return asyncio.run(first_logprob(client, vllm.model))
 
-        def ask(key: str) -> float:
-            client = AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0, timeout=120)
-            return asyncio.run(first_logprob(client, vllm.model))
-
-        before = {key: ask(key) for key in home}
-        roots = [u.removesuffix("/v1") for u in urls]
-        asyncio.run(hot_swap(roots, changed, "1", base, lambda version: _checked_announce(proxy, version)))
-        after = {key: ask(key) for key in home}
-        second.stop()
-        lost = {key: ask(key) for key in home if home[key] == second.base_url}
-        health = httpx.get(f"{proxy.url}/healthz").json()["upstreams"]
+    before = {key: ask(key) for key in home}
+    roots = [u.removesuffix("/v1") for u in urls]
+    asyncio.run(hot_swap(roots, changed, "1", base, lambda version: _checked_announce(proxy, version)))
+    after = {key: ask(key) for key in home}
+    second.stop()
+    lost = {key: ask(key) for key in home if home[key] == second.base_url}
+    health = httpx.get(f"{proxy.url}/healthz").json()["upstreams"]
     calls = proxy.calls()
     by_session: dict[str, list[Any]] = {}
     for call in calls:
