@@ -37,16 +37,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import sys
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import orjson
 from cachetools import LRUCache
 
 from proxy.upstream import Upstream
-from recorder.caches import ByteLRU
+from recorder.caches import ByteLRU, deep_size
 from recorder.echo import echoes, norm
 from recorder.records import ThreadRecord
 
@@ -102,6 +104,21 @@ class Thread:
     answers: list[Answer]
     continued: dict[int, str] = field(default_factory=dict)  # answer index: the call (its id) that continued it first
 
+    @cached_property
+    def size(self) -> int:
+        """The bytes it holds in this process, its objects' own sizes (once: only `continued`
+        changes after, by an entry an answer). Counting the answers' messages as JSON, and not the
+        objects around the arrays and digests, put the cache at half its real size."""
+        objects = [self, self.__dict__, self.call_id, self.tools, self.continued, self.messages, self.prompt_ids]
+        answers = sum(
+            sys.getsizeof(a) + sys.getsizeof(a.__dict__) + sys.getsizeof(a.sampled) + deep_size(a.message)
+            for a in self.answers
+        )
+        return sum(map(sys.getsizeof, objects)) + sys.getsizeof(self.answers) + answers + DIGEST * len(self.messages)
+
+
+DIGEST = sys.getsizeof(bytes(16))  # a message's digest, besides its place in the list
+
 
 @dataclass
 class Plan:
@@ -145,13 +162,7 @@ def thread_state(body: dict[str, Any], answers: list[Answer], continues: dict[st
 
 
 def _size(threads: tuple[Thread, ...]) -> int:
-    """A session's threads in bytes, about: their token arrays, digests and answers as JSON."""
-    return sum(
-        len(t.prompt_ids) * 4
-        + len(t.messages) * 48
-        + sum(len(a.sampled) * 4 + len(orjson.dumps(a.message)) for a in t.answers)
-        for t in threads
-    )
+    return sys.getsizeof(threads) + sum(t.size for t in threads)
 
 
 class Threads:

@@ -5,8 +5,9 @@ to the store, so an evicted entry costs a read, never a wrong answer."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cachetools import LRUCache
 
@@ -14,6 +15,17 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 ENTRY = 256  # bytes an entry costs besides its value: its key (ids are at most 256 characters), the table
+
+
+def deep_size(value: Any) -> int:
+    """The bytes a JSON-like value (dicts, lists, strings, numbers) holds in this process: every
+    object's own size, which for a small dict is several times its JSON's length."""
+    size = sys.getsizeof(value)
+    if isinstance(value, dict):
+        return size + sum(sys.getsizeof(k) + deep_size(v) for k, v in value.items())
+    if isinstance(value, list):
+        return size + sum(deep_size(v) for v in value)
+    return size
 
 
 class ByteLRU(LRUCache[K, V]):

@@ -160,7 +160,7 @@ def test_threads_the_cache_cannot_hold_are_read_back(make_proxy: Any, stub: str)
     """The thread cache is bounded by bytes: two sessions taking turns on a proxy whose budget
     holds one session's threads evict each other at every call, and every continuing call still
     joins (its thread read back from the store). /healthz shows each cache within its budget."""
-    proxy = make_proxy(stub, thread_cache_mb=0.0015)  # about 1,570 bytes: one session's threads
+    proxy = make_proxy(stub, thread_cache_mb=0.008)  # about 8,400 bytes: one session's threads (5,900)
     histories: dict[str, list[dict[str, Any]]] = {k: [{"role": "user", "content": "hi"}] for k in ("s-a", "s-b")}
     for n in range(3):
         for key, messages in histories.items():

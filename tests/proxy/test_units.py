@@ -410,3 +410,32 @@ def test_vllm_on_a_cpu_without_bf16_instructions_serves_float32(
     assert dtype_args([], with_amx) == []
     assert dtype_args(["--dtype=bfloat16"], without) == dtype_args(["--dtype", "half"], without) == []
     assert dtype_args([], tmp_path / "no-cpuinfo") == []
+
+
+def test_the_thread_cache_counts_what_its_threads_hold() -> None:
+    """The thread cache's budget bounds the memory it holds. Counted by their JSON, the answers'
+    messages and the objects around the token arrays were about half the memory the threads held
+    (tracemalloc), and a soak's memory rose past what /healthz showed for the caches."""
+    import tracemalloc
+
+    threads = Threads()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for session in range(100):  # agent episodes of tool calls and text, 12 calls each
+            messages: list[dict[str, Any]] = [{"role": "user", "content": f"Task {session}: add 2 and 3."}]
+            for turn in range(12):
+                arguments = orjson.dumps({"a": turn, "b": session}).decode()
+                function = {"name": "add", "arguments": arguments}
+                tool_call = {"id": f"call_{session}_{turn}", "type": "function", "function": function}
+                message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
+                if turn % 3 == 2:
+                    message = {"role": "assistant", "content": f"The sum is {turn + session}, so far."}
+                answers = [Answer(message, array("i", range(1000, 1040)), "tool_calls")]
+                state = thread_state({"messages": messages}, answers, None)
+                threads.add(f"session-{session}", f"call-{session}-{turn}", state, list(range(60 * turn + 80)), answers)
+                messages = [*messages, message, {"role": "tool", "tool_call_id": tool_call["id"], "content": "5"}]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.85 < threads.cache.currsize / held < 1.15, (threads.cache.currsize, held)
