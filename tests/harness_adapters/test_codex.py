@@ -30,7 +30,9 @@ def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: A
     proxy = make_proxy(vllm.url, max_completion_tokens=384)
     episode = harness_session("train-codex.yaml", sampling=FORCED, timeout=60)
     for attempt in range(5):
-        calls = [c for c in proxy.calls(episode(proxy.url, f"codex-{attempt}", vllm.model)) if c.ok]
+        recorded = proxy.calls(episode(proxy.url, f"codex-{attempt}", vllm.model))
+        assert all(c.ok for c in recorded[:-1]), [c.error for c in recorded]  # the last: cut at the timeout
+        calls = [c for c in recorded if c.ok]
         continued = any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1])  # and a call after it
         if continued:
             break

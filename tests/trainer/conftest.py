@@ -60,9 +60,14 @@ def second_vllm(_second: VllmServer) -> VllmServer:
     """A second vLLM beside the shared one, started as the launcher starts it for LoRA
     (`max_lora_rank`): the LoRA tests' server, then the second replica of the replica test, which
     stops it (test files run in name order: test_lora_vllm.py before test_swap_vllm.py); started
-    again if a later test asks for it. One start instead of two, 45-60 s each on 2 cores."""
+    again if a later test asks for it. One start instead of two, 45-60 s each on 2 cores. Each
+    test gets it serving the base model alone: adapters an earlier test left are unloaded."""
     if _second.process is None or _second.process.poll() is not None:
         _second.start()
+    for model in httpx.get(f"{_second.base_url}/models").json()["data"]:
+        if model.get("parent"):
+            unload = {"lora_name": model["id"]}
+            httpx.post(f"{_second.base_url}/unload_lora_adapter", json=unload, timeout=60).raise_for_status()
     return _second
 
 

@@ -29,8 +29,8 @@ LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
 
 @pytest.fixture
-def lora_vllm(second_vllm: VllmServer) -> Upstream:
-    return Upstream(second_vllm.base_url, second_vllm.served_name, 8192, second_vllm.log_file)
+def lora_vllm(second_vllm: VllmServer, vllm: Upstream) -> Upstream:
+    return Upstream(second_vllm.base_url, second_vllm.served_name, vllm.max_model_len, second_vllm.log_file)
 
 
 def _adapter(base: Path, out: Path, seed: int) -> Path:

@@ -145,29 +145,32 @@ def test_two_replicas_pinned_swapped_and_one_lost(
     token ids, one hot swap moves both to the new weights, and when the second dies its sessions
     go on on the first."""
     second = second_vllm
-    urls = [vllm.url, second.base_url]
-    asyncio.run(set_version(restore, "0"))
-    asyncio.run(set_version(second.base_url.removesuffix("/v1"), "0"))
-    proxy = make_proxy(",".join(urls), version_poll_interval=0.2)
-    pinning = Upstreams.from_urls(",".join(urls), timeout=1, connect_timeout=1, api_key=None)
-    home: dict[str, str] = {}  # three sessions the hash puts on each server
-    for key in (f"replica-{i}" for i in range(100)):
-        url = pinning.for_session(key).base_url
-        if list(home.values()).count(url) < 3:
-            home[key] = url
-    assert len(home) == 6
+    try:
+        urls = [vllm.url, second.base_url]
+        asyncio.run(set_version(restore, "0"))
+        asyncio.run(set_version(second.base_url.removesuffix("/v1"), "0"))
+        proxy = make_proxy(",".join(urls), version_poll_interval=0.2)
+        pinning = Upstreams.from_urls(",".join(urls), timeout=1, connect_timeout=1, api_key=None)
+        home: dict[str, str] = {}  # three sessions the hash puts on each server
+        for key in (f"replica-{i}" for i in range(100)):
+            url = pinning.for_session(key).base_url
+            if list(home.values()).count(url) < 3:
+                home[key] = url
+        assert len(home) == 6
 
-    def ask(key: str) -> float:
-        client = AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0, timeout=120)
-        return asyncio.run(first_logprob(client, vllm.model))
+        def ask(key: str) -> float:
+            client = AsyncOpenAI(base_url=proxy.v1, api_key=key, max_retries=0, timeout=120)
+            return asyncio.run(first_logprob(client, vllm.model))
 
-    before = {key: ask(key) for key in home}
-    roots = [u.removesuffix("/v1") for u in urls]
-    asyncio.run(hot_swap(roots, changed, "1", base, lambda version: _checked_announce(proxy, version)))
-    after = {key: ask(key) for key in home}
-    second.stop()
-    lost = {key: ask(key) for key in home if home[key] == second.base_url}
-    health = httpx.get(f"{proxy.url}/healthz").json()["upstreams"]
+        before = {key: ask(key) for key in home}
+        roots = [u.removesuffix("/v1") for u in urls]
+        asyncio.run(hot_swap(roots, changed, "1", base, lambda version: _checked_announce(proxy, version)))
+        after = {key: ask(key) for key in home}
+        second.stop()
+        lost = {key: ask(key) for key in home if home[key] == second.base_url}
+        health = httpx.get(f"{proxy.url}/healthz").json()["upstreams"]
+    finally:  # a failure above leaves no changed weights behind
+        second.stop()
     calls = proxy.calls()
     by_session: dict[str, list[Any]] = {}
     for call in calls:
