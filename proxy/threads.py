@@ -95,6 +95,9 @@ def digest(message: tuple[Any, ...]) -> bytes:
     return hashlib.blake2b(repr(message).encode(), digest_size=16).digest()
 
 
+DIGEST = sys.getsizeof(bytes(16))  # a message's digest (digest_size 16), besides its place in the list
+
+
 @dataclass(frozen=True)
 class Thread:
     call_id: str | None  # the recorded call it is (CallRecord.call_id)
@@ -115,9 +118,6 @@ class Thread:
             for a in self.answers
         )
         return sum(map(sys.getsizeof, objects)) + sys.getsizeof(self.answers) + answers + DIGEST * len(self.messages)
-
-
-DIGEST = sys.getsizeof(bytes(16))  # a message's digest, besides its place in the list
 
 
 @dataclass
