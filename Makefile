@@ -73,7 +73,7 @@ system:
 	fi
 
 test: install system
-	RLP_REQUIRE_SYSTEM=1 $(PY) -m pytest -q -ra --durations=30
+	RLP_REQUIRE_SYSTEM=1 $(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadgroup
 
 # The long soak: 64 sessions, multi-turn, 150 s on SQLite then PostgreSQL (stub upstream),
 # and the fuzz with 200 examples per route.

@@ -39,6 +39,32 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+# What exists once per test process and takes one test at a time: the shared vLLM (greedy output
+# depends on what else is in its batch; trainer tests swap weights into it), the container engine
+# (its base image is built once) and the Ray clusters.
+SHARED = {"vllm", "engine_service", "ray_cluster"}
+NICE = 5
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): every test that uses
+    one of SHARED goes to the same worker, in file order as without workers, and the rest (stub
+    upstreams, tiny models, vLLMs of their own) to the other, on the CPU the shared vLLM leaves."""
+    for item in items:
+        if SHARED & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("shared"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The worker of the other tests yields the CPU to the shared worker's, the run's longest
+    chain: niced (5, and so are the processes its tests start) at its first test. The shared
+    worker takes the shared group first and others only after it, so it is never niced before."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and not item.get_closest_marker("xdist_group") and os.getpriority(os.PRIO_PROCESS, 0) < NICE:
+        os.setpriority(os.PRIO_PROCESS, 0, NICE)
+
+
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     """The real vLLM server with SmolLM2-135M-Instruct, shared by every test that needs it."""

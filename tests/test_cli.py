@@ -17,6 +17,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
+import recorder.cli
 from benchmarks.support.samples import call
 from recorder import SessionInfo, Store
 from trainer.cli import app
@@ -73,11 +74,13 @@ def db(tmp_path: Path) -> str:
     return path
 
 
-def test_sessions_list_and_show(db: str) -> None:
+def test_sessions_list_and_show(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
     listed = runner.invoke(app, ["sessions", "list", "--db", db])
     assert listed.exit_code == 0 and "ep-1" in listed.output
     assert "1 session(s) have no calls" in listed.output and "ep-empty" in listed.output
-    shown = runner.invoke(app, ["sessions", "show", "ep-1", "--db", db], env={"COLUMNS": "200"})
+    # A wide terminal: the console took its width from COLUMNS when imported (pytest-xdist sets 80).
+    monkeypatch.setattr(recorder.cli.console, "width", 200)
+    shown = runner.invoke(app, ["sessions", "show", "ep-1", "--db", db])
     assert shown.exit_code == 0
     assert "chat.completions" in shown.output and "stop" in shown.output
     # call 2's prompt [1, 2, 3, 2] does not extend call 1's [1, 2, 3, 1] + [1, 7, 2]
