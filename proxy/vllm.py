@@ -97,7 +97,6 @@ class VllmServer:
         self.served_name = served_name
         self.port = port or free_port()
         self.log_file = log_file
-        self.max_model_len = max_model_len
         extra_args = extra_args or []
         self.command = [
             sys.executable,

@@ -44,23 +44,24 @@ def restore(vllm: Upstream, base: Path) -> Iterator[str]:
     asyncio.run(hot_swap([root], base, "0", base))
 
 
-@pytest.fixture(scope="module")
-def _second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+@pytest.fixture(scope="session")
+def _second(vllm: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("second-vllm") / "vllm.log"
-    # The shared vLLM's context (tests/conftest.py), which it does not wait for.
-    server = VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=["--enforce-eager"], lora_rank=16)
+    server = VllmServer(
+        path, name, log_file=log, max_model_len=vllm.max_model_len, extra_args=["--enforce-eager"], lora_rank=16
+    )
     yield server
     server.stop()
 
 
 @pytest.fixture
 def second_vllm(_second: VllmServer) -> VllmServer:
-    """A vLLM of the module's own, started as the launcher starts it for LoRA (`max_lora_rank`):
-    the LoRA tests' server, which needs nothing of the shared vLLM's and so runs on `make test`'s
-    other worker beside it (tests/conftest.py), and the second replica of the replica test, which
-    stops it (started again if a later test of the module asks for it). Each test gets it serving
-    the base model alone: adapters an earlier test left are unloaded."""
+    """A second vLLM beside the shared one, started as the launcher starts it for LoRA
+    (`max_lora_rank`): the LoRA tests' server, then the second replica of the replica test, which
+    stops it (test files run in name order: test_lora_vllm.py before test_swap_vllm.py); started
+    again if a later test asks for it. One start instead of two, 45-60 s each on 2 cores. Each
+    test gets it serving the base model alone: adapters an earlier test left are unloaded."""
     if _second.process is None or _second.process.poll() is not None:
         _second.start()
     for model in httpx.get(f"{_second.base_url}/models").json()["data"]:

@@ -1,7 +1,7 @@
 """LoRA on the real vLLM CPU build: adapters loaded at runtime while clients stream through the
 proxy (nothing pauses, no call fails, each call stamped with the adapter that served it), and
-`rl-proxy train` with a `lora:` section for two steps. On a vLLM of the module's own, started as
-the launcher starts it for LoRA (`max_lora_rank`; tests/trainer/conftest.py), not the shared one."""
+`rl-proxy train` with a `lora:` section for two steps. On a second vLLM beside the shared one,
+started as the launcher starts it for LoRA (`max_lora_rank`; tests/trainer/conftest.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
 
 @pytest.fixture
-def lora_vllm(second_vllm: VllmServer) -> Upstream:
-    return Upstream(second_vllm.base_url, second_vllm.served_name, second_vllm.max_model_len, second_vllm.log_file)
+def lora_vllm(second_vllm: VllmServer, vllm: Upstream) -> Upstream:
+    return Upstream(second_vllm.base_url, second_vllm.served_name, vllm.max_model_len, second_vllm.log_file)
 
 
 def _adapter(base: Path, out: Path, seed: int) -> Path:
