@@ -58,10 +58,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """The worker of the other tests yields the CPU to the shared worker's, the run's longest
-    chain: niced (5, and so are the processes its tests start) at its first test. The shared
-    worker takes the shared group first and others only after it, so it is never niced before."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and not item.get_closest_marker("xdist_group") and os.getpriority(os.PRIO_PROCESS, 0) < NICE:
+    chain: niced (NICE, and so are the processes its tests start) at its first test. The shared
+    worker is never niced before its group: loadgroup hands out the largest group first, and a
+    worker more work only when it has nearly run out."""
+    in_worker = "PYTEST_XDIST_WORKER" in os.environ
+    if in_worker and not item.get_closest_marker("xdist_group") and os.getpriority(os.PRIO_PROCESS, 0) < NICE:
         os.setpriority(os.PRIO_PROCESS, 0, NICE)
 
 

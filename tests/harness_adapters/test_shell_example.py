@@ -91,8 +91,11 @@ def test_mini_swe_agent_runs_the_shell_tasks_and_each_episode_is_scored_by_its_d
     example), with a relative output folder as a user would give it, on one held-out task of each
     kind (six of the ten: each kind's check is what differs)."""
     monkeypatch.chdir(tmp_path)
-    rows = [json.loads(line) for line in (SHELL / "tasks.jsonl").read_text().splitlines()]
-    kinds = {row["kind"]: row for row in reversed(rows) if row["split"] == "heldout"}
+    kinds: dict[str, dict[str, str]] = {}  # the first held-out task of each kind
+    for line in (SHELL / "tasks.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["split"] == "heldout":
+            kinds.setdefault(row["kind"], row)
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kinds.values()))
     config = load_config(SHELL / "collect.yaml", CollectConfig)
     update = {"tasks": str(tmp_path / "tasks.jsonl"), "split": "heldout", "episodes_per_task": 1, "out": "out"}
