@@ -24,9 +24,9 @@ def test_64_sessions_multi_turn_nothing_lost_memory_flat(db: str, tmp_path: Path
         process(cmd, f"http://127.0.0.1:{port}/v1/models", tmp_path / "stub.log"),
         proxy(f"http://127.0.0.1:{port}/v1", db, tmp_path / "proxy.log") as (base, pid),
     ):
-        load = asyncio.run(run_load(base, 64, 12, KINDS, pid))
+        load = asyncio.run(run_load(base, 64, 12, KINDS, pid, min_turns=5))  # on a busy machine: longer
     assert not load.errors, load.errors[:5]
-    assert len(load.answered) > 64 * 5  # every session got several turns in
+    assert len(load.answered) >= 64 * 5  # every session got its turns in
     assert verify(db, load) == []
     third = len(load.rss) // 3
     early, late = statistics.median(load.rss[third : 2 * third]), statistics.median(load.rss[-third:])

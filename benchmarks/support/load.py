@@ -97,15 +97,23 @@ def reply(kind: str, raw: bytes) -> tuple[str, str]:
 
 
 async def converse(
-    http: aiohttp.ClientSession, base: str, worker: str, kind: str, until: float, load: Load, tries: int = 1
+    http: aiohttp.ClientSession,
+    base: str,
+    worker: str,
+    kind: str,
+    until: float,
+    load: Load,
+    tries: int = 1,
+    min_turns: int = 0,
 ) -> None:
     """Sessions of TURNS turns, one after another, until `until` (an agent's context does not
-    grow forever). A failed call is sent again after RETRY_AFTER, `tries` times in all, as a
-    harness retries; one that fails them all is an error and ends the worker."""
-    episode = turn = 0
+    grow forever), and `min_turns` calls at least, however slow the machine. A failed call is
+    sent again after RETRY_AFTER, `tries` times in all, as a harness retries; one that fails
+    them all is an error and ends the worker."""
+    episode = turn = calls = 0
     history: list[Any] = []
     previous = session = None
-    while time.monotonic() < until:
+    while time.monotonic() < until or calls < min_turns:
         if turn % TURNS == 0:
             episode, turn, history, previous = episode + 1, 0, [], None
             session = f"{worker}-{episode}"
@@ -130,6 +138,7 @@ async def converse(
         else:
             load.errors.append(f"{session} turn {turn}: {failed}")
             return
+        calls += 1
         load.latencies.append((time.perf_counter() - start) * 1000)
         load.answered.append((str(session), turn, kind, previous))
         if kind.startswith("completions"):
@@ -138,8 +147,11 @@ async def converse(
             history.append({"role": "assistant", "content": text})
 
 
-async def run_load(base: str, sessions: int, seconds: float, kinds: tuple[str, ...], pid: int | None) -> Load:
-    """`sessions` concurrent conversations for `seconds` (each finishes the call it is in)."""
+async def run_load(
+    base: str, sessions: int, seconds: float, kinds: tuple[str, ...], pid: int | None, min_turns: int = 0
+) -> Load:
+    """`sessions` concurrent conversations for `seconds` (each finishes the call it is in), each
+    of `min_turns` calls at least."""
     load = Load()
     until = time.monotonic() + seconds
     started = time.monotonic()
@@ -157,7 +169,10 @@ async def run_load(base: str, sessions: int, seconds: float, kinds: tuple[str, .
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=sessions), timeout=timeout) as http:
         run = f"{time.monotonic_ns() % 10**8:x}"
         await asyncio.gather(
-            *(converse(http, base, f"soak-{run}-{i}", kinds[i % len(kinds)], until, load) for i in range(sessions))
+            *(
+                converse(http, base, f"soak-{run}-{i}", kinds[i % len(kinds)], until, load, min_turns=min_turns)
+                for i in range(sessions)
+            )
         )
     load.seconds = time.monotonic() - started
     sampler.cancel()

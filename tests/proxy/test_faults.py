@@ -53,7 +53,7 @@ def start_proxy(upstream: str, db: str, port: int, log: Path) -> subprocess.Pope
 
 def converse(base_url: str, session: str, answered: list[tuple[str, int, str]], stop: threading.Event) -> None:
     """Multi-turn calls until the proxy goes away; each answer is noted as (session, turn, id)."""
-    client = OpenAI(base_url=base_url, api_key=session, max_retries=0, timeout=10)
+    client = OpenAI(base_url=base_url, api_key=session, max_retries=0, timeout=120)
     messages: list[Any] = [{"role": "user", "content": f"{session}: start"}]
     turn = 0
     while not stop.is_set():
@@ -81,7 +81,7 @@ def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, t
         ]
         for client in clients:
             client.start()
-        while len(answered) < 150 and proc.poll() is None:
+        while len(answered) < 150 and proc.poll() is None and any(c.is_alive() for c in clients):
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)  # mid-run: 16 calls in flight
         proc.wait()
@@ -102,7 +102,7 @@ def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, t
             proc.terminate()
             proc.wait(30)
 
-    assert killed_at >= 150
+    assert killed_at >= 150, log.read_text()[-3000:]  # the clients stopped early: the proxy's log says why
     calls = read_store(db, lambda s: _all_calls(s))
     by_id = {c.response["id"]: c for c in calls if c.response}
     for session, turn, reply_id in answered:  # every answered call is there, whole
@@ -125,12 +125,13 @@ async def _all_calls(store: Store) -> list[Any]:
     return [c async for c in store.iter_calls()]
 
 
-def lock_sqlite(path: str, seconds: float, held: threading.Event) -> None:
-    """A second writer: another connection takes SQLite's write lock and keeps it a while."""
+def lock_sqlite(path: str, held: threading.Event, release: threading.Event, seconds: float) -> None:
+    """A second writer: another connection takes SQLite's write lock and keeps it until `release`
+    is set, `seconds` at most."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("BEGIN IMMEDIATE")
     held.set()
-    time.sleep(seconds)
+    release.wait(seconds)
     conn.execute("ROLLBACK")
     conn.close()
 
@@ -150,7 +151,7 @@ def test_calls_wait_for_a_second_writer_and_all_are_recorded(tmp_path: Path) -> 
         client = OpenAI(base_url=f"{proxy.url}/v1", api_key="locked", max_retries=0)
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
         held = threading.Event()
-        locker = threading.Thread(target=lock_sqlite, args=(db, 2.0, held))
+        locker = threading.Thread(target=lock_sqlite, args=(db, held, threading.Event(), 2.0))
         locker.start()
         held.wait()
         started = time.monotonic()
@@ -181,13 +182,14 @@ def test_a_lock_held_too_long_answers_503_in_the_api_shape_and_loses_nothing(tmp
     with proxy_with(tmp_path, busy_timeout=0.5) as (proxy, db):
         client = OpenAI(base_url=f"{proxy.url}/v1", api_key="stuck", max_retries=0)
         first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "before"}])
-        held = threading.Event()
-        locker = threading.Thread(target=lock_sqlite, args=(db, 3.0, held))
+        held, release = threading.Event(), threading.Event()
+        locker = threading.Thread(target=lock_sqlite, args=(db, held, release, 120.0))
         locker.start()
         held.wait()
         during = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "during"}]}
         refused = httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "stuck"}, json=during)
         anthropic = httpx.post(f"{proxy.url}/v1/messages", headers={"x-api-key": "stuck"}, json=during)
+        release.set()  # held for as long as the two calls took, however slow the machine
         locker.join()
         # The SDK retries a 503 by itself: with its default retries the harness never notices.
         retried = OpenAI(base_url=f"{proxy.url}/v1", api_key="stuck").chat.completions.create(

@@ -182,9 +182,10 @@ def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tm
     """`rl-proxy train --processes 2` sharded (FSDP2): rank 0 collects a group through the proxy
     and the shared vLLM, both ranks step, rank 0 swaps version 1 in and writes the run's files;
     the weights it swaps in and checkpoints are gathered from both ranks (a whole
-    model.safetensors), and a resumed run shards the checkpoint and its optimizer state again.
-    Data parallel (replicate) takes the same path but for the sharding, whose step the tests
-    above check against one process."""
+    model.safetensors, and the learner's state). Data parallel (replicate) takes the same path
+    but for the sharding, whose step the tests above check against one process. A resume shards
+    the checkpoint and its optimizer state again: the learner's own (test_fsdp2_resumes_each_rank_
+    from_its_own_shards), and `train --resume` in one process (tests/trainer/test_train_vllm.py)."""
     sharding = "fsdp2"
     example = ROOT / "harness_adapters" / "examples" / "arithmetic"
     config = yaml.safe_load((example / "train.yaml").read_text())
@@ -220,13 +221,6 @@ def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tm
     assert saved["model.norm.weight"].shape == (hidden,)  # whole, not a rank's shard
     assert "lm_head.weight" not in saved  # SmolLM2 ties it to the embeddings: saved once, and still tied
     assert (tmp_path / "run" / "versions" / "v1" / "learner" / "scheduler.pt").exists()
-    # Resumed: the whole checkpoint sharded again, its optimizer state too.
-    config["train"]["steps"] = 2
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "trainer.cli", "train", str(path), "--processes", "2", "--resume"]
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert httpx.get(f"{restore}/weight_info").json()["weight_version"] == "2"
 
 
 def test_the_shipped_multi_gpu_configs_load() -> None:
