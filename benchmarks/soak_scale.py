@@ -219,8 +219,10 @@ async def load(
     pids: Callable[[], list[int]],
     run: Run,
     kinds: tuple[str, ...] = ALL_KINDS,
+    min_turns: int = 0,
 ) -> None:
-    """`sessions` concurrent clients for `seconds`, each on one of `kinds`; RSS of each proxy every 2 s."""
+    """`sessions` concurrent clients for `seconds` (and `min_turns` calls each at least), each on
+    one of `kinds`; RSS of each proxy every 2 s."""
     started = time.monotonic()
 
     async def sample() -> None:
@@ -238,7 +240,7 @@ async def load(
         until = started + seconds
         await asyncio.gather(
             *(
-                converse(http, base, f"scale-{tag}-{i}", kinds[i % len(kinds)], until, run, TRIES)
+                converse(http, base, f"scale-{tag}-{i}", kinds[i % len(kinds)], until, run, TRIES, min_turns)
                 for i in range(sessions)
             )
         )
@@ -318,7 +320,9 @@ def plot(run: Run, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def scale_soak(sessions: int, count: int, seconds: float, latency: float) -> tuple[Run, Verified, float]:
+def scale_soak(
+    sessions: int, count: int, seconds: float, latency: float, min_turns: int = 0
+) -> tuple[Run, Verified, float]:
     """The run and what the store holds; and the median latency of the stub called directly."""
     work = Path(tempfile.mkdtemp(prefix="rlp-scale-"))
     run = Run()
@@ -341,7 +345,7 @@ def scale_soak(sessions: int, count: int, seconds: float, latency: float) -> tup
             started = time.monotonic()
             faults = asyncio.create_task(inject(proxies, pg, db, seconds, started, run))
             progress = asyncio.create_task(report(run, started, seconds))
-            await load(f"{lb}/v1", sessions, seconds, lambda: [p.pid for p in proxies.procs], run)
+            await load(f"{lb}/v1", sessions, seconds, lambda: [p.pid for p in proxies.procs], run, min_turns=min_turns)
             await faults
             progress.cancel()
 
