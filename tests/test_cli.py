@@ -169,6 +169,24 @@ def test_doctor_on_the_default_model() -> None:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_train_on_several_processes_hands_resume_to_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train --processes 2 --resume` starts torchrun with `--resume` for every rank: the one place
+    the flag crosses a process (the resumed run itself: tests/trainer/test_train_vllm.py, and an
+    FSDP2 learner resumed on two processes: tests/trainer/test_distributed.py)."""
+    import trainer.cli
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda command: launched.append(command) or 0)
+    monkeypatch.setattr(trainer.cli, "stop_on_sigterm", lambda: None)  # this worker's SIGTERM stays its own
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = Path(__file__).parents[1] / "harness_adapters" / "examples" / "arithmetic" / "train.yaml"
+    result = runner.invoke(app, ["train", str(config), "--processes", "2", "--resume"])
+    assert result.exit_code == 0, result.output
+    [command] = launched
+    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert command[-4:] == ["trainer.cli", "train", str(config), "--resume"]
+
+
 def test_sigterm_stops_the_vllm_and_the_episodes_a_command_started(tmp_path: Path) -> None:
     """A supervisor (systemd, Kubernetes, a job scheduler) stops a job with SIGTERM. `collect`,
     `train`, `serve` and `demo` all take it as Ctrl-C (proxy.server.stop_on_sigterm); here

@@ -1,6 +1,7 @@
 """The short soaks in `make test` (`make soak` and `make soak-scale` run the long ones), against
 the STUB upstream (not vLLM): 64 sessions making multi-turn calls through `rl-proxy serve` for
-12 s on each store, nothing lost or mismatched and the proxy's memory flat; and the scale soak
+12 s on each store (and 5 calls each at least, however slow the machine), nothing lost or
+mismatched and the proxy's memory flat; and the scale soak
 in small: sessions moving between two proxies behind nginx on PostgreSQL through a SIGKILL,
 cut database connections and a database crash."""
 
@@ -34,9 +35,9 @@ def test_64_sessions_multi_turn_nothing_lost_memory_flat(db: str, tmp_path: Path
 
 
 def test_proxies_behind_a_balancer_lose_nothing_through_a_kill_cut_connections_and_a_crash(nginx: str) -> None:
-    """24 sessions on the four APIs over 2 proxies for 24 s, with the scale soak's faults: every
-    answered call recorded once and whole, every continuing chat call joined (token-in) though
-    round robin served its previous turn on the other proxy."""
+    """24 sessions on the four APIs over 2 proxies for 24 s (6 calls each at least), with the
+    scale soak's faults: every answered call recorded once and whole, every continuing chat call
+    joined (token-in) though round robin served its previous turn on the other proxy."""
     run, found, _ = scale_soak(sessions=24, count=2, seconds=24.0, latency=0.02, min_turns=6)  # busy: longer
     assert len(run.faults) == 3, run.faults
     assert sum(run.failures.values()) > 0  # the faults were felt: calls failed and were sent again

@@ -34,6 +34,7 @@ ALL_KINDS = tuple(
 PATHS = {"chat": "chat/completions", "messages": "messages", "responses": "responses", "completions": "completions"}
 TURNS = 24  # per episode (session)
 RETRY_AFTER = 0.5  # seconds a client waits before sending a failed call again
+LATE = 120.0  # seconds past its end that a session may go on to make its `min_turns` calls
 
 
 @dataclass
@@ -107,13 +108,13 @@ async def converse(
     min_turns: int = 0,
 ) -> None:
     """Sessions of TURNS turns, one after another, until `until` (an agent's context does not
-    grow forever), and `min_turns` calls at least, however slow the machine. A failed call is
-    sent again after RETRY_AFTER, `tries` times in all, as a harness retries; one that fails
-    them all is an error and ends the worker."""
+    grow forever), and on to `min_turns` calls on a slow machine, for LATE seconds more at most.
+    A failed call is sent again after RETRY_AFTER, `tries` times in all, as a harness retries;
+    one that fails them all is an error and ends the worker."""
     episode = turn = calls = 0
     history: list[Any] = []
     previous = session = None
-    while time.monotonic() < until or calls < min_turns:
+    while (now := time.monotonic()) < until or (calls < min_turns and now < until + LATE):
         if turn % TURNS == 0:
             episode, turn, history, previous = episode + 1, 0, [], None
             session = f"{worker}-{episode}"

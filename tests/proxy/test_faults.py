@@ -51,15 +51,19 @@ def start_proxy(upstream: str, db: str, port: int, log: Path) -> subprocess.Pope
     raise RuntimeError(f"the proxy did not start: {log.read_text()[-2000:]}")
 
 
-def converse(base_url: str, session: str, answered: list[tuple[str, int, str]], stop: threading.Event) -> None:
-    """Multi-turn calls until the proxy goes away; each answer is noted as (session, turn, id)."""
+def converse(
+    base_url: str, session: str, answered: list[tuple[str, int, str]], stopped: list[str], stop: threading.Event
+) -> None:
+    """Multi-turn calls until the proxy goes away; each answer is noted as (session, turn, id),
+    and why the client stopped in `stopped`."""
     client = OpenAI(base_url=base_url, api_key=session, max_retries=0, timeout=120)
     messages: list[Any] = [{"role": "user", "content": f"{session}: start"}]
     turn = 0
     while not stop.is_set():
         try:
             reply = client.chat.completions.create(model=MODEL, messages=messages)
-        except (APIConnectionError, APIStatusError):
+        except (APIConnectionError, APIStatusError) as exc:
+            stopped.append(f"{session}: {exc!r}")
             return
         turn += 1
         answered.append((session, turn, reply.id))
@@ -74,11 +78,11 @@ def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, t
         port, log = free_port(), tmp_path / "proxy.log"
         proc = start_proxy(f"{stub.url}/v1", db, port, log)
         answered: list[tuple[str, int, str]] = []
+        stopped: list[str] = []
         stop = threading.Event()
         sessions = [f"kill-{i}" for i in range(16)]
-        clients = [
-            threading.Thread(target=converse, args=(f"http://127.0.0.1:{port}/v1", s, answered, stop)) for s in sessions
-        ]
+        url = f"http://127.0.0.1:{port}/v1"
+        clients = [threading.Thread(target=converse, args=(url, s, answered, stopped, stop)) for s in sessions]
         for client in clients:
             client.start()
         while len(answered) < 150 and proc.poll() is None and any(c.is_alive() for c in clients):
@@ -89,6 +93,7 @@ def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, t
         for client in clients:
             client.join(20)
         killed_at = len(answered)
+        assert killed_at >= 150, (stopped[:3], log.read_text()[-3000:])  # why the clients stopped early
 
         proc = start_proxy(f"{stub.url}/v1", db, port, log)  # restarted on the same store
         try:
@@ -102,7 +107,6 @@ def test_sigkill_under_load_loses_no_answered_call_and_sessions_go_on(db: str, t
             proc.terminate()
             proc.wait(30)
 
-    assert killed_at >= 150, log.read_text()[-3000:]  # the clients stopped early: the proxy's log says why
     calls = read_store(db, lambda s: _all_calls(s))
     by_id = {c.response["id"]: c for c in calls if c.response}
     for session, turn, reply_id in answered:  # every answered call is there, whole
@@ -128,7 +132,7 @@ async def _all_calls(store: Store) -> list[Any]:
 def lock_sqlite(path: str, held: threading.Event, release: threading.Event, seconds: float) -> None:
     """A second writer: another connection takes SQLite's write lock and keeps it until `release`
     is set, `seconds` at most."""
-    conn = sqlite3.connect(path, isolation_level=None)
+    conn = sqlite3.connect(path, timeout=60, isolation_level=None)
     conn.execute("BEGIN IMMEDIATE")
     held.set()
     release.wait(seconds)
@@ -153,7 +157,7 @@ def test_calls_wait_for_a_second_writer_and_all_are_recorded(tmp_path: Path) -> 
         held = threading.Event()
         locker = threading.Thread(target=lock_sqlite, args=(db, held, threading.Event(), 2.0))
         locker.start()
-        held.wait()
+        assert held.wait(60)
         started = time.monotonic()
         replies: list[str] = []
         workers = [
@@ -185,12 +189,15 @@ def test_a_lock_held_too_long_answers_503_in_the_api_shape_and_loses_nothing(tmp
         held, release = threading.Event(), threading.Event()
         locker = threading.Thread(target=lock_sqlite, args=(db, held, release, 120.0))
         locker.start()
-        held.wait()
+        assert held.wait(60)
         during = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "during"}]}
-        refused = httpx.post(f"{proxy.url}/v1/chat/completions", headers={"x-api-key": "stuck"}, json=during)
-        anthropic = httpx.post(f"{proxy.url}/v1/messages", headers={"x-api-key": "stuck"}, json=during)
-        release.set()  # held for as long as the two calls took, however slow the machine
-        locker.join()
+        try:  # the lock is held for as long as the two calls take, however slow the machine
+            headers = {"x-api-key": "stuck"}
+            refused = httpx.post(f"{proxy.url}/v1/chat/completions", headers=headers, json=during, timeout=60)
+            anthropic = httpx.post(f"{proxy.url}/v1/messages", headers=headers, json=during, timeout=60)
+        finally:
+            release.set()
+            locker.join()
         # The SDK retries a 503 by itself: with its default retries the harness never notices.
         retried = OpenAI(base_url=f"{proxy.url}/v1", api_key="stuck").chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "after"}]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from proxy.model import resolve_model
 from proxy.vllm import VllmServer
 from trainer.weight_sync import hot_swap
 
-HELD = 2 * 2**30  # bytes: a learner of SmolLM2-135M and its optimizer; the tiny model's hold a few MB
+HELD = 2.0  # GB: a learner of SmolLM2-135M and its optimizer; the tiny model's hold a few MB
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +26,10 @@ def _memory_back() -> Iterator[None]:
     import gc
 
     from trainer.forward import release_memory
+    from trainer.loop import resident_gb
 
-    if int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") > HELD:
+    held = resident_gb()
+    if held is None or held > HELD:  # None: not Linux, so always
         gc.collect()
         release_memory()
 

@@ -182,10 +182,10 @@ def test_train_on_two_processes_swaps_into_vllm(vllm: Upstream, restore: str, tm
     """`rl-proxy train --processes 2` sharded (FSDP2): rank 0 collects a group through the proxy
     and the shared vLLM, both ranks step, rank 0 swaps version 1 in and writes the run's files;
     the weights it swaps in and checkpoints are gathered from both ranks (a whole
-    model.safetensors, and the learner's state). Data parallel (replicate) takes the same path
-    but for the sharding, whose step the tests above check against one process. A resume shards
-    the checkpoint and its optimizer state again: the learner's own (test_fsdp2_resumes_each_rank_
-    from_its_own_shards), and `train --resume` in one process (tests/trainer/test_train_vllm.py)."""
+    model.safetensors), the learner's state beside them. Data parallel (replicate) takes the same
+    path but for the sharding, whose step the tests above check against one process. Resumed:
+    an FSDP2 learner on two processes (test_fsdp2_resumes_each_rank_from_its_own_shards), the
+    loop (tests/trainer/test_train_vllm.py), `--resume` handed to every rank (tests/test_cli.py)."""
     sharding = "fsdp2"
     example = ROOT / "harness_adapters" / "examples" / "arithmetic"
     config = yaml.safe_load((example / "train.yaml").read_text())
