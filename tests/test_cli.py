@@ -166,9 +166,6 @@ def test_doctor_on_the_default_model() -> None:
     assert runner.invoke(app, ["doctor", "--model", "/no/such/model"]).exit_code == 1
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_train_on_several_processes_hands_resume_to_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """`train --processes 2 --resume` starts torchrun with `--resume` for every rank: the one place
     the flag crosses a process (the resumed run itself: tests/trainer/test_train_vllm.py, and an
@@ -187,6 +184,9 @@ def test_train_on_several_processes_hands_resume_to_every_rank(monkeypatch: pyte
     assert command[-4:] == ["trainer.cli", "train", str(config), "--resume"]
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_sigterm_stops_the_vllm_and_the_episodes_a_command_started(tmp_path: Path) -> None:
     """A supervisor (systemd, Kubernetes, a job scheduler) stops a job with SIGTERM. `collect`,
     `train`, `serve` and `demo` all take it as Ctrl-C (proxy.server.stop_on_sigterm); here
