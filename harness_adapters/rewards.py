@@ -147,8 +147,9 @@ class JudgeReward(RewardSource):
     async def score(
         self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
     ) -> float:
-        from proxy.litellm_bridge import litellm
+        from proxy.litellm_bridge import imported, litellm
 
+        await imported()  # not on the event loop, where the episodes in flight run
         prompt = JUDGE_PROMPT.format(rubric=self.rubric, prompt=task.prompt, output=outcome.output[-8000:])
         key = os.environ.get(self.judge_api_key_env) if self.judge_api_key_env else None
         reply = await litellm().acompletion(

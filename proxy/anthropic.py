@@ -37,7 +37,7 @@ from proxy.forwarding import (
     session_for,
     upstream_chunks,
 )
-from proxy.litellm_bridge import jsonable, litellm
+from proxy.litellm_bridge import imported, jsonable, litellm
 from proxy.state import ProxyState
 
 API = "anthropic.messages"
@@ -136,6 +136,7 @@ def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[
 async def messages(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings)
+    await imported()
     chat, tool_map, dropped = to_chat(body)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
@@ -301,6 +302,7 @@ async def count_tokens(request: Request) -> Response:
     """Input tokens of a Messages request, as the upstream's chat template renders them."""
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings)
+    await imported()
     chat, _, _ = to_chat({"max_tokens": 1, **body})
     await fit_to_backend(state, chat)
     tokenize = {"model": chat["model"], "messages": chat["messages"], "add_generation_prompt": True}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,11 +9,9 @@ from fastapi import Depends, FastAPI, Request
 
 from proxy.admin import addressed_to_loopback, admin, ops
 from proxy.anthropic import router as anthropic_router
-from proxy.anthropic import to_chat
 from proxy.errors import BadRequest, Forbidden, install_handlers
 from proxy.openai_api import router
 from proxy.responses import router as responses_router
-from proxy.responses import warm
 from proxy.settings import LOOPBACK, Settings
 from proxy.state import ProxyState, RecentResponses
 from proxy.threads import Threads
@@ -37,7 +34,6 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.open()
-        await asyncio.to_thread(warm_translators)
         await upstreams.start(settings.version_poll_interval)
         try:
             yield
@@ -82,10 +78,3 @@ async def own_host(request: Request) -> None:
             f"loopback name only, not {request.headers.get('host', '')[:64]!r} (bind it with --host "
             "to be reached by other names)"
         )
-
-
-def warm_translators() -> None:
-    """Import litellm's translators before serving: imported on the first Messages or Responses
-    call they held up every call in flight for about 3 s (the import runs on the event loop)."""
-    to_chat({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
-    warm()

@@ -3,6 +3,7 @@ translators: importing litellm quietly, and turning its pydantic objects into pl
 
 from __future__ import annotations
 
+import asyncio
 import os
 from functools import cache
 from typing import Any
@@ -20,6 +21,15 @@ def litellm() -> Any:
 
     litellm.suppress_debug_info = True
     return litellm
+
+
+async def imported() -> None:
+    """litellm imported in a thread by the first call that translates, and awaited by the calls
+    that come meanwhile. Imported on the event loop, it held up every call in flight for seconds;
+    imported at start-up, it made every proxy start 6 s later (twice a plain import of the
+    proxy) though most never receive a Messages or Responses call."""
+    if litellm.cache_info().currsize == 0:
+        await asyncio.to_thread(litellm)
 
 
 def _plain(obj: Any) -> Any:

@@ -43,7 +43,7 @@ from proxy.forwarding import (
     session_for,
     upstream_chunks,
 )
-from proxy.litellm_bridge import jsonable, litellm
+from proxy.litellm_bridge import imported, jsonable, litellm
 from proxy.state import ProxyState
 from recorder import SessionInfo
 
@@ -67,11 +67,6 @@ async def stored_response(
     return state.recent_responses.get(session_id, response_id) or await state.store.stored_response(
         session_id, response_id
     )
-
-
-def warm() -> None:
-    """Import litellm's translators now rather than on the first call (see app.warm_translators)."""
-    _config()
 
 
 @cache
@@ -168,6 +163,7 @@ async def responses(request: Request) -> Response:
     state: ProxyState = request.app.state.rlp
     body = await read_json(request, state.settings)
     validate(body)
+    await imported()
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
     chat = to_chat(body, await conversation(request, session, body), stream)
