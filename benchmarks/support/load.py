@@ -222,7 +222,13 @@ def proxy(upstream: str, db: str, log: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream, "--db", db, "--port", str(port)]
     with process(cmd, f"http://127.0.0.1:{port}/healthz", log) as proc:
-        yield f"http://127.0.0.1:{port}/v1", proc.pid
+        base = f"http://127.0.0.1:{port}/v1"
+        # A call of each kind first: the first Messages or Responses call loads litellm's
+        # translators (about 75 MB, once), which a soak must not count as growth.
+        warm = asyncio.run(run_load(base, len(ALL_KINDS), 0, ALL_KINDS, None, min_turns=1))
+        if warm.errors:
+            raise RuntimeError(f"the proxy's first calls failed: {warm.errors[:3]}")
+        yield base, proc.pid
 
 
 def p99(values: list[float]) -> float:

@@ -34,6 +34,7 @@ def _sockets() -> set[str]:
     return {path.name for path in Path(tempfile.gettempdir()).iterdir() if path.is_socket()}
 
 
+@pytest.mark.timeout(900)  # vLLM's start may take its 600 s deadline on a busy machine (300 s ran out once)
 def test_serve_launches_vllm_records_reasoning_and_exits_when_vllm_dies(tmp_path: Path) -> None:
     """And leaves none of vLLM's IPC sockets in the temp dir (vLLM names them by UUID there and
     never removes them: a machine that ran the suite for a day held 966)."""
