@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from concurrent.futures import Future
 from functools import cache
 from typing import Any
 
@@ -23,13 +25,29 @@ def litellm() -> Any:
     return litellm
 
 
+@cache
+def _importing() -> Future[Any]:
+    """The import, started once in a thread of its own."""
+    done: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(litellm())
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="litellm-import", daemon=True).start()
+    return done
+
+
 async def imported() -> None:
     """litellm imported in a thread by the first call that translates, and awaited by the calls
-    that come meanwhile. Imported on the event loop, it held up every call in flight for seconds;
+    that come meanwhile (on one import, not a worker thread each: those are the loop's DNS
+    lookups too). Imported on the event loop, it held up every call in flight for seconds;
     imported at start-up, it made every proxy start 6 s later (twice a plain import of the
     proxy) though most never receive a Messages or Responses call."""
     if litellm.cache_info().currsize == 0:
-        await asyncio.to_thread(litellm)
+        await asyncio.wrap_future(_importing())
 
 
 def _plain(obj: Any) -> Any:

@@ -66,6 +66,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, NICE)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _litellm() -> None:
+    """litellm imported once per test process, as the proxy's start-up did before: the proxy
+    now imports it on its first Messages or Responses call, and that call would wait seconds for
+    it, past the 5 s client timeouts of several tests (which then passed only after another
+    test had imported it). The import on the first call has a test of its own (test_faults.py)."""
+    from proxy.litellm_bridge import litellm
+
+    litellm()
+
+
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     """The real vLLM server with SmolLM2-135M-Instruct, shared by every test that needs it."""
