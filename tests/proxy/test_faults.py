@@ -145,8 +145,8 @@ with AppThread(stub_app()) as stub, AppThread(create_app(Settings(upstream=f"{st
 
 
 def test_litellm_is_imported_by_the_first_translating_call_not_at_start(tmp_path: Path) -> None:
-    """A restart is back in 2 s, not 10: litellm's import (6 s) waits for a Messages or Responses
-    call, which most proxies never receive, and then runs in a thread, off the event loop."""
+    """A start or restart does not wait for litellm's import (6 s of a 10 s start here): it waits
+    for a Messages or Responses call, which most proxies never receive."""
     run = subprocess.run([sys.executable, "-c", FIRST_CALLS, str(tmp_path / "s.db")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["False", "True", "stub", "answer"]
