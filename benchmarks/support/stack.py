@@ -31,6 +31,20 @@ class Upstream:
     log: Path | None = None  # None: a server started elsewhere (RLP_TEST_UPSTREAM)
 
 
+def vllm_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU-seconds so far of the engine core and the model worker of the vLLM whose API server is
+    process `pid` (their names start VLLM::EngineCore and VLLM::Worker)."""
+    import psutil  # vLLM's dependency
+
+    spent = {"EngineCore": 0.0, "Worker": 0.0}
+    for child in psutil.Process(pid).children(recursive=True):
+        for kind in spent:
+            if child.name().startswith(f"VLLM::{kind}"[:15]):  # the kernel keeps 15 characters of a name
+                times = child.cpu_times()
+                spent[kind] += times.user + times.system
+    return spent
+
+
 def new_database(server: str) -> str:
     """A new, empty database on the server: each test starts from nothing, as with SQLite."""
     name = f"t_{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,36 @@
+"""A vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml), loaded by every
+vLLM process started from this environment: on vLLM's CPU build, its engine core waits for the
+model's worker by sleeping on a socket, not by spinning.
+
+vLLM's engine core reads each step's result from the worker through shared memory and, for a
+second after every read, waits by calling sched_yield in a loop (`SpinCondition.busy_loop_s`). On
+a GPU that spares a few microseconds a step. On the CPU build the worker runs the model on the
+machine's cores, so while vLLM generates the spin holds a whole core of its own: 65 CPU-seconds
+of the engine core beside the worker's 67, against 1.0 without it, and the same tokens as fast
+(`python -m benchmarks.bench_vllm_wait`, docs/benchmarks.md). rl-proxy's learner, its
+harnesses and its proxy share that core. After a read the engine core now waits on the socket
+that the worker notifies at every write, as it already did after a second idle.
+
+`VLLM_PLUGINS` (vLLM's own setting) names the plugins a vLLM loads: leave `rl_proxy_cpu_wait` out
+of it to keep the spin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def register() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    init = SpinCondition.__init__
+
+    def wait_on_the_socket(self: SpinCondition, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.busy_loop_s = 0
+
+    SpinCondition.__init__ = wait_on_the_socket  # type: ignore[method-assign]
