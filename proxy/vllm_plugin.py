@@ -6,13 +6,13 @@ vLLM's engine core reads each step's result from the worker through shared memor
 second after every read, waits by calling sched_yield in a loop (`SpinCondition.busy_loop_s`). On
 a GPU that spares a few microseconds a step. On the CPU build the worker runs the model on the
 machine's cores, so while vLLM generates the spin holds a whole core of its own: 65 CPU-seconds
-of the engine core beside the worker's 67, against 1.1 without it, and the same tokens as fast
+of the engine core beside the worker's 67, against 1.1 without it, at about the same speed
 (`python -m benchmarks.bench_vllm_dtype`, docs/benchmarks.md). rl-proxy's learner, its harnesses
 and its proxy share that core. After a read the engine core (and the worker) now wait on the
 socket that the writer notifies at every write, as they already did after a second idle.
 
 That socket drops a notification now and then, and a reader that missed one slept until vLLM's
-recheck, 5 s later: a hot swap's pause and reload took seconds longer (the swap tests 10-20 s
+recheck, 5 s later: a hot swap's pause and reload took seconds longer (the swap tests 10-25 s
 more each). The recheck is 20 ms here; idle, a reader wakes 50 times a second for nothing, which
 costs no measurable CPU.
 
