@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -32,10 +33,22 @@ KEEP_ALIVE = 75
 def stop_on_sigterm() -> None:
     """Let a supervisor's SIGTERM (systemd, Kubernetes, a job scheduler) unwind the command as
     Ctrl-C does: Python's default ends the process at once, and what it started (vLLM in its own
-    process group, the proxy, running harness episodes) stayed behind holding memory and ports."""
+    process group, the proxy, running harness episodes) stayed behind holding memory and ports.
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+    SIGTERM goes to SIGINT's handler, as if Ctrl-C: inside asyncio.run that one cancels the main
+    task, so every task unwinds by cancellation before asyncio.run raises KeyboardInterrupt;
+    elsewhere it raises KeyboardInterrupt. Raised inside whatever code runs, KeyboardInterrupt had
+    landed in code that takes every exception as its own: uvicorn's lifespan, in an episode's
+    gateway, logged it and exited the run with 3, before asyncio.run had joined the threads still
+    starting containers (one was left behind)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # a job started with `&`: Ctrl-C is live again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        ctrl_c = signal.getsignal(signal.SIGINT)
+        if not callable(ctrl_c):  # SIGINT set to the OS's default since
+            raise KeyboardInterrupt(f"signal {signum}")
+        ctrl_c(signal.SIGINT, frame)
 
     signal.signal(signal.SIGTERM, interrupt)
 

@@ -184,6 +184,48 @@ def test_train_on_several_processes_hands_resume_to_every_rank(monkeypatch: pyte
     assert command[-4:] == ["trainer.cli", "train", str(config), "--resume"]
 
 
+SWALLOWER = """
+import asyncio, os, signal, sys
+from proxy.server import stop_on_sigterm
+
+async def lifespan():  # as uvicorn's lifespan: every exception of the app's is its own to log
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(10**6))  # the signal lands here, between two bytecodes
+        await asyncio.sleep(5)
+    except BaseException as exc:
+        print("taken:", type(exc).__name__, flush=True)
+
+async def main():
+    started = asyncio.create_task(lifespan())  # the gateway's server: a task of its own
+    await asyncio.sleep(1)
+    print("went on", flush=True)
+
+stop_on_sigterm()
+try:
+    asyncio.run(main())
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN])
+def test_sigterm_cancels_the_run_and_is_not_lost_in_code_that_takes_every_exception(sigint: int) -> None:
+    """Seen in `train`'s SIGTERM test (issue 46): SIGTERM was a KeyboardInterrupt raised inside
+    whatever ran; it landed in uvicorn's lifespan (an episode's gateway), which took it as the
+    app's failure and exited the run with 3, before asyncio.run had joined the threads starting
+    containers. Now SIGTERM is Ctrl-C: asyncio.run cancels its main task, then raises
+    KeyboardInterrupt; also in a job started with SIGINT ignored (`cmd &` in a script)."""
+    job = subprocess.run(
+        [sys.executable, "-c", SWALLOWER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
+    )
+    assert (job.returncode, job.stdout) == (130, "taken: CancelledError\n"), job.stderr
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(600)

@@ -131,6 +131,13 @@ class _Server(uvicorn.Server):
         yield  # the run's own SIGTERM handling stays: an episode's gateway is no process of its own
 
 
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+    try:
+        await server.serve(sockets=[sock])
+    except SystemExit as exc:  # uvicorn's answer to a failed start: this gateway's end, not the run's
+        raise GatewayError(f"the gateway did not start (uvicorn's exit {exc.code})") from None
+
+
 @contextlib.asynccontextmanager
 async def gateway(pid: int, proxy_url: str, key: str) -> AsyncIterator[str]:
     """Serve the gateway in the network of process `pid` (a container's) for as long as the
@@ -145,7 +152,7 @@ async def gateway(pid: int, proxy_url: str, key: str) -> AsyncIterator[str]:
         gateway_app(proxy_url, key), log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
     )
     server = _Server(config)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    serving = asyncio.create_task(_serve(server, sock))
     try:
         while not server.started:
             if serving.done():
