@@ -155,11 +155,14 @@ def engine_service() -> Iterator[str]:
 @pytest.fixture
 def container_engine(engine_service: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A client of engine_service's engine, at DOCKER_HOST for this test only (a harness of a
-    later test, Claude Code or Codex, sees no container engine in its environment)."""
-    from harness_adapters.environments.containers import engine
+    later test, Claude Code or Codex, sees no container engine in its environment). A container
+    an earlier test left fails that test, not every one after it: it is removed first."""
+    from harness_adapters.environments.containers import OWNER, engine
 
     monkeypatch.setenv("DOCKER_HOST", engine_service)
     client = engine()
+    for found in client.api.containers(all=True, filters={"label": OWNER}):
+        client.api.remove_container(found["Id"], force=True)
     yield client
     client.close()
 

@@ -78,11 +78,20 @@ class ContainerEnvironment(HostEnvironment):
     _pool: dict[str, list[Any]] = PrivateAttr(default_factory=dict)  # started containers, by their settings
     _filling: asyncio.Task[None] | None = PrivateAttr(None)
     _taken: int = PrivateAttr(0)
+    _closed: bool = PrivateAttr(False)
 
     def __getstate__(self) -> dict[Any, Any]:
         """Pickled (a Ray task's copy): the same owner label, no engine connection or builds."""
         state = super().__getstate__()
-        empty: dict[str, Any] = {"_builds": {}, "_images": {}, "_ahead": [], "_pool": {}, "_filling": None, "_taken": 0}
+        empty: dict[str, Any] = {
+            "_builds": {},
+            "_images": {},
+            "_ahead": [],
+            "_pool": {},
+            "_filling": None,
+            "_taken": 0,
+            "_closed": False,
+        }
         return {**state, "__pydantic_private__": {"_client": None, "_owner": self._owner, **empty}}
 
     def client(self) -> DockerClient:
@@ -138,9 +147,21 @@ class ContainerEnvironment(HostEnvironment):
 
     async def start(self, task: Task, settings: dict[str, Any]) -> Any:
         try:
-            return await asyncio.to_thread(self.client().containers.run, **settings)
+            return await asyncio.to_thread(self._run, settings)
+        except ContainerError:
+            raise
         except Exception as exc:  # the engine's own errors: a missing image, a bad limit
             raise ContainerError(f"task {task.id}: cannot start a container of {settings['image']}: {exc}") from exc
+
+    def _run(self, settings: dict[str, Any]) -> Any:
+        container = self.client().containers.run(**settings)
+        # A start that outlived the run's sweep (asyncio.run cut short does not join this
+        # thread): the container, made after the sweep, is removed here. It exists before this
+        # check, so a sweep that set `_closed` after the check lists it.
+        if self._closed:
+            self._remove(container.id)
+            raise ContainerError("the run ended while this container started: removed")
+        return container
 
     @property
     def warm_taken(self) -> int:
@@ -210,8 +231,8 @@ class ContainerEnvironment(HostEnvironment):
                 yield box
                 with contextlib.suppress(Exception):  # what the harness left there (a killed one, too)
                     await asyncio.to_thread(box.fetch, "agent")
-        finally:  # shielded: a cancelled episode (SIGTERM) still removes its container
-            await asyncio.shield(asyncio.to_thread(self._remove, container.id))
+        finally:  # begun now and shielded: a cancelled episode (SIGTERM) still removes its container
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, self._remove, container.id))
 
     def _remove(self, container_id: str) -> None:
         with contextlib.suppress(Exception):  # already gone (`close()` got there first)
@@ -219,7 +240,9 @@ class ContainerEnvironment(HostEnvironment):
 
     def close(self) -> None:
         """Remove every container of this run still there (a run cut short, an attempt whose
-        Ray worker died), then disconnect. The run's end only: an episode removes its own."""
+        Ray worker died), then disconnect. The run's end only: an episode removes its own, and a
+        container started after this is removed at once."""
+        self._closed = True
         with contextlib.suppress(ContainerError):  # no engine here: none of the run's containers either
             self.reap()
         self.disconnect()

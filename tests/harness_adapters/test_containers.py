@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from harness_adapters.environments.box import ContainerError
 from harness_adapters.environments.containers import BASE_IMAGE, OWNER, ContainerEnvironment
 from harness_adapters.harnesses import CommandAdapter
 from harness_adapters.runner import BUILD_FAILED, EpisodeRunner
-from harness_adapters.tasks import load_tasks
+from harness_adapters.tasks import Task, load_tasks
 from recorder.episodes import RewardRule
 from tests.support.containers import left
 
@@ -181,6 +182,44 @@ def test_the_runs_sweep_is_not_undone_by_a_container_its_episode_removed_meanwhi
     api.containers = list_then_lose_one
     environment.close()
     assert left(container_engine) == []
+
+
+def test_a_container_still_starting_when_the_run_ends_is_removed_too(
+    container_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen in CI (issue 46): `train`, SIGTERMed with warm containers on, left one behind (and the
+    eight container tests after it failed on it). asyncio.run's clean-up was cut short (see
+    test_cli.py's SIGTERM test) before it joined the thread still starting a warm container, the
+    run's sweep came first, and the container, made after the sweep, stayed. The fault injected
+    here: the engine's start held until the sweep is done."""
+    from docker.models.containers import ContainerCollection
+
+    run, entered, swept = ContainerCollection.run, threading.Event(), threading.Event()
+
+    def after_the_sweep(self: ContainerCollection, **settings: Any) -> Any:
+        entered.set()
+        swept.wait(60)
+        return run(self, **settings)
+
+    monkeypatch.setattr(ContainerCollection, "run", after_the_sweep)
+    environment = ContainerEnvironment()
+    settings = dict(image=BASE_IMAGE, entrypoint=["sleep", "infinity"], detach=True, labels={OWNER: environment._owner})
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            asyncio.run(environment.start(Task("t", "p"), settings))
+        except ContainerError as exc:
+            failed.append(exc)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    assert entered.wait(60)
+    environment.close()
+    swept.set()
+    starting.join(60)
+    assert left(container_engine) == []
+    assert len(failed) == 1, "the episode that wanted the container learns that the run is over"
 
 
 @pytest.mark.vllm
