@@ -17,6 +17,7 @@ import shutil
 import tarfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
@@ -147,13 +148,24 @@ def folder_files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+# The container engine's calls run on threads of their own. A harness's exec holds its thread for
+# the whole episode: on asyncio's default pool (the CPUs + 4 threads) no more episodes than that
+# ran at once, and a timeout's kill or a container's removal waited for one of them to end.
+ENGINE_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="container-engine")
+
+
+def on_engine_thread(work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """`work(*args)` submitted now to a thread of the engine's (awaited, it is its result)."""
+    return asyncio.get_running_loop().run_in_executor(ENGINE_THREADS, work, *args)
+
+
 async def engine_call(work: Callable[..., T], *args: Any) -> T:
-    """`work(*args)` in a thread, the engine's failures raised as ContainerError."""
+    """`work(*args)` on a thread of the engine's, its failures raised as ContainerError."""
     import docker
     import requests
 
     try:
-        return await asyncio.to_thread(work, *args)
+        return await on_engine_thread(work, *args)
     except (docker.errors.DockerException, requests.RequestException, OSError) as exc:
         raise ContainerError(f"the container engine failed: {type(exc).__name__}: {exc}") from exc
 

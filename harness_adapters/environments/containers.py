@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, PrivateAttr
 
-from harness_adapters.environments.box import LOGS, Box, BuildError, ContainerError, engine_call
+from harness_adapters.environments.box import LOGS, Box, BuildError, ContainerError, engine_call, on_engine_thread
 from harness_adapters.environments.gateway import GatewayError, container_pid, gateway
 from harness_adapters.environments.host import HostEnvironment
 from harness_adapters.tasks import Task
@@ -147,19 +147,20 @@ class ContainerEnvironment(HostEnvironment):
 
     async def start(self, task: Task, settings: dict[str, Any]) -> Any:
         try:
-            return await asyncio.to_thread(self._run, settings)
+            return await on_engine_thread(self._run, self.client(), settings)
         except ContainerError:
             raise
         except Exception as exc:  # the engine's own errors: a missing image, a bad limit
             raise ContainerError(f"task {task.id}: cannot start a container of {settings['image']}: {exc}") from exc
 
-    def _run(self, settings: dict[str, Any]) -> Any:
-        container = self.client().containers.run(**settings)
+    def _run(self, client: DockerClient, settings: dict[str, Any]) -> Any:
+        container = client.containers.run(**settings)
         # A start that outlived the run's sweep (asyncio.run cut short does not join this
         # thread): the container, made after the sweep, is removed here. It exists before this
         # check, so a sweep that set `_closed` after the check lists it.
         if self._closed:
-            self._remove(container.id)
+            with contextlib.suppress(Exception):  # docker-py opens its connections again after close()
+                container.remove(force=True)
             raise ContainerError("the run ended while this container started: removed")
         return container
 
@@ -230,9 +231,9 @@ class ContainerEnvironment(HostEnvironment):
                 await box.shell(f"mkdir -p {LOGS}/agent {LOGS}/verifier", 60)
                 yield box
                 with contextlib.suppress(Exception):  # what the harness left there (a killed one, too)
-                    await asyncio.to_thread(box.fetch, "agent")
+                    await on_engine_thread(box.fetch, "agent")
         finally:  # begun now and shielded: a cancelled episode (SIGTERM) still removes its container
-            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, self._remove, container.id))
+            await asyncio.shield(on_engine_thread(self._remove, container.id))
 
     def _remove(self, container_id: str) -> None:
         with contextlib.suppress(Exception):  # already gone (`close()` got there first)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -184,6 +185,28 @@ def test_the_runs_sweep_is_not_undone_by_a_container_its_episode_removed_meanwhi
     assert left(container_engine) == []
 
 
+def test_more_harnesses_than_cpus_run_in_their_containers_at_once(container_engine: Any, tmp_path: Path) -> None:
+    """A harness's exec holds a thread for its whole episode. On asyncio's default pool (the CPUs
+    + 4 threads: 6 here) no more harnesses than that ran at once, and the next waited for one to
+    end, its timeout's kill too. Here the CPUs + 5 execs each wait until all have begun."""
+    n = (os.cpu_count() or 1) + 5
+    environment = ContainerEnvironment(image=BASE_IMAGE)
+    wait_for_all = f"touch /tmp/begun-$$; until [ $(ls /tmp | grep -c begun-) -ge {n} ]; do sleep 0.1; done"
+
+    async def main() -> list[int]:
+        async with environment.episode(Task("t", "p"), tmp_path) as box:
+            assert box is not None
+            with open(os.devnull, "wb") as out:
+                execs = [box.run(["sh", "-c", wait_for_all], {}, out, out, 30) for _ in range(n)]
+                return list(await asyncio.gather(*execs))
+
+    try:
+        assert asyncio.run(main()) == [0] * n
+    finally:
+        environment.close()
+    assert left(container_engine) == []
+
+
 def test_a_container_still_starting_when_the_run_ends_is_removed_too(
     container_engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -218,6 +241,7 @@ def test_a_container_still_starting_when_the_run_ends_is_removed_too(
     environment.close()
     swept.set()
     starting.join(60)
+    environment.disconnect()
     assert left(container_engine) == []
     assert len(failed) == 1, "the episode that wanted the container learns that the run is over"
 
