@@ -145,9 +145,10 @@ class Rollouts:
                 job = asyncio.create_task(one(self.next_task()))
                 running.add(job)
                 job.add_done_callback(self._finished(running))
-        finally:
+        finally:  # the jobs unwind before fill ends: their episodes remove their containers
             for job in list(running):
                 job.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
 
 
 async def success_rate(

@@ -7,8 +7,10 @@ RLP_TEST_POSTGRES=postgresql://... to reuse a PostgreSQL server (see benchmarks/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,14 +158,18 @@ def engine_service() -> Iterator[str]:
 def container_engine(engine_service: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A client of engine_service's engine, at DOCKER_HOST for this test only (a harness of a
     later test, Claude Code or Codex, sees no container engine in its environment). A container
-    an earlier test left fails that test, not every one after it: it is removed first."""
+    that a test left fails that test (each asserts `left()`), not every one after it: what was
+    made since the test began is removed after it."""
     from harness_adapters.environments.containers import OWNER, engine
 
     monkeypatch.setenv("DOCKER_HOST", engine_service)
     client = engine()
-    for found in client.api.containers(all=True, filters={"label": OWNER}):
-        client.api.remove_container(found["Id"], force=True)
+    began = int(time.time())
     yield client
+    for found in client.api.containers(all=True, filters={"label": OWNER}):
+        if found["Created"] >= began:
+            with contextlib.suppress(Exception):  # gone meanwhile
+                client.api.remove_container(found["Id"], force=True)
     client.close()
 
 
