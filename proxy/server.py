@@ -36,11 +36,11 @@ def stop_on_sigterm() -> None:
     process group, the proxy, running harness episodes) stayed behind holding memory and ports.
 
     SIGTERM goes to SIGINT's handler, as if Ctrl-C: inside asyncio.run that one cancels the main
-    task, so every task unwinds by cancellation before asyncio.run raises KeyboardInterrupt;
-    elsewhere it raises KeyboardInterrupt. Raised inside whatever code runs, KeyboardInterrupt had
-    landed in code that takes every exception as its own: uvicorn's lifespan, in an episode's
-    gateway, logged it and exited the run with 3, before asyncio.run had joined the threads still
-    starting containers (one was left behind)."""
+    task, which unwinds by cancellation with the tasks it awaits; asyncio.run then cancels the
+    others and raises KeyboardInterrupt. Elsewhere it raises KeyboardInterrupt. Raised inside
+    whatever code ran, KeyboardInterrupt had landed in code that takes every exception as its
+    own: uvicorn's lifespan, in an episode's gateway, logged it and exited the run with 3, before
+    asyncio.run had joined the threads still starting containers (one was left behind)."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # a job started with `&`: Ctrl-C is live again
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
