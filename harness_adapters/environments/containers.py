@@ -159,8 +159,7 @@ class ContainerEnvironment(HostEnvironment):
         # thread): the container, made after the sweep, is removed here. It exists before this
         # check, so a sweep that set `_closed` after the check lists it.
         if self._closed:
-            with contextlib.suppress(Exception):  # docker-py opens its connections again after close()
-                container.remove(force=True)
+            _remove(container)
             raise ContainerError("the run ended while this container started: removed")
         return container
 
@@ -233,11 +232,7 @@ class ContainerEnvironment(HostEnvironment):
                 with contextlib.suppress(Exception):  # what the harness left there (a killed one, too)
                     await on_engine_thread(box.fetch, "agent")
         finally:  # begun now and shielded: a cancelled episode (SIGTERM) still removes its container
-            await asyncio.shield(on_engine_thread(self._remove, container.id))
-
-    def _remove(self, container_id: str) -> None:
-        with contextlib.suppress(Exception):  # already gone (`close()` got there first)
-            self.client().containers.get(container_id).remove(force=True)
+            await asyncio.shield(on_engine_thread(_remove, container))
 
     def close(self) -> None:
         """Remove every container of this run still there (a run cut short, an attempt whose
@@ -281,6 +276,13 @@ def engine() -> DockerClient:
             "and `export DOCKER_HOST=unix:///run/podman/podman.sock`); see docs/environments.md"
         ) from exc
     return client
+
+
+def _remove(container: Any) -> None:
+    """Remove a container through the client that made it (docker-py opens its connections again
+    after a close()), if it is still there (`close()` may have got there first)."""
+    with contextlib.suppress(Exception):
+        container.remove(force=True)
 
 
 def _key(settings: dict[str, Any]) -> str:

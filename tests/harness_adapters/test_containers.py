@@ -241,7 +241,6 @@ def test_a_container_still_starting_when_the_run_ends_is_removed_too(
     environment.close()
     swept.set()
     starting.join(60)
-    environment.disconnect()
     assert left(container_engine) == []
     assert len(failed) == 1, "the episode that wanted the container learns that the run is over"
 
