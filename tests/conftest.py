@@ -47,13 +47,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # (its base image is built once) and the Ray clusters.
 SHARED = {"vllm", "engine_service", "ray_cluster"}
 NICE = 5
-MAX_MODEL_LEN = 8192  # SmolLM2's own context; Claude Code's prompt alone is about 7,600 tokens
 
 # vLLM's CPU build pins its model's threads to the CPUs it does not reserve (auto binding: all but
 # the last). Each vLLM pins to the same ones, so the shared vLLM takes them, and every other vLLM
-# a test starts (`rl-proxy serve`'s, the LoRA tests', a second replica) is pinned to the last CPU,
-# beside the shared one rather than on its CPUs: on 2 cores two vLLMs had shared one core while
-# the other ran the rest. `vllm` starts the shared one with auto binding.
+# a test starts (`rl-proxy serve`'s, the CLI's, the LoRA tests', a second replica) is pinned to
+# the last CPU, beside the shared one rather than on its CPUs: on 2 cores two vLLMs had shared one
+# core while the other ran the rest. `vllm` starts the shared one with auto binding.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
 
 
@@ -73,9 +72,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     worker is never niced before its group: loadgroup hands out the largest group first, and a
     worker more work only when it has nearly run out."""
     in_worker = "PYTEST_XDIST_WORKER" in os.environ
-    group = item.get_closest_marker("xdist_group")
-    shared = group is not None and group.args == ("shared",)
-    if in_worker and not shared and os.getpriority(os.PRIO_PROCESS, 0) < NICE:
+    if in_worker and not item.get_closest_marker("xdist_group") and os.getpriority(os.PRIO_PROCESS, 0) < NICE:
         os.setpriority(os.PRIO_PROCESS, 0, NICE)
 
 
@@ -103,14 +100,15 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     # --enforce-eager: 45 s to start instead of 120 s (this CPU build recompiles at every start,
-    # its compile cache fails to load); token ids, logprobs and the API are the same.
+    # its compile cache fails to load); token ids, logprobs and the API are the same. 8192 tokens
+    # of context (SmolLM2's own): Claude Code's prompt alone is about 7,600.
     # --trust-request-chat-template: the token-in test renders with a template of its own.
     extra = ["--enforce-eager", "--trust-request-chat-template"]
-    server = VllmServer(path, name, log_file=log, max_model_len=MAX_MODEL_LEN, extra_args=extra)
+    server = VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=extra)
     with mock.patch.dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="auto"):
         server.start()
     try:
-        yield Upstream(server.base_url, name, MAX_MODEL_LEN, log)
+        yield Upstream(server.base_url, name, 8192, log)
     finally:
         server.stop()
 

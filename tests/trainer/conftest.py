@@ -12,7 +12,6 @@ import pytest
 from benchmarks.support.stack import Upstream
 from proxy.model import resolve_model
 from proxy.vllm import VllmServer
-from tests.conftest import MAX_MODEL_LEN
 from trainer.weight_sync import hot_swap
 
 HELD = 2.0  # GB: a learner of SmolLM2-135M and its optimizer; the tiny model's hold a few MB
@@ -52,11 +51,11 @@ def restore(vllm: Upstream, base: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def _second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def _second(vllm: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     path, name = resolve_model("default")
     log = tmp_path_factory.mktemp("second-vllm") / "vllm.log"
     server = VllmServer(
-        path, name, log_file=log, max_model_len=MAX_MODEL_LEN, extra_args=["--enforce-eager"], lora_rank=16
+        path, name, log_file=log, max_model_len=vllm.max_model_len, extra_args=["--enforce-eager"], lora_rank=16
     )
     yield server
     server.stop()
@@ -64,11 +63,11 @@ def _second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
 
 @pytest.fixture
 def second_vllm(_second: VllmServer) -> VllmServer:
-    """A second vLLM beside the shared one (on the CPU it leaves: tests/conftest.py), started as
-    the launcher starts it for LoRA (`max_lora_rank`): the LoRA tests' server, on the worker of
-    the other tests (they need no shared vLLM), and the second replica of the replica test, which
-    stops it; started again if a later test asks for it. Each test gets it serving the base model
-    alone: adapters an earlier test left are unloaded."""
+    """A second vLLM beside the shared one, started as the launcher starts it for LoRA
+    (`max_lora_rank`): the LoRA tests' server, then the second replica of the replica test, which
+    stops it (test files run in name order: test_lora_vllm.py before test_swap_vllm.py); started
+    again if a later test asks for it. One start instead of two, 45-60 s each on 2 cores. Each
+    test gets it serving the base model alone: adapters an earlier test left are unloaded."""
     if _second.process is None or _second.process.poll() is not None:
         _second.start()
     for model in httpx.get(f"{_second.base_url}/models").json()["data"]:

@@ -19,7 +19,6 @@ from harness_adapters.config import load_config
 from proxy.upstream import adapter_name
 from proxy.vllm import VllmServer
 from recorder import CallRecord, Store
-from tests.conftest import MAX_MODEL_LEN
 from trainer.config import TrainConfig
 from trainer.grpo import Learner
 from trainer.run import train
@@ -29,13 +28,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "harness_adapters" / "examples" 
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 
 
-# Both tests on one worker, beside the shared vLLM's chain rather than in it: one start of their vLLM.
-pytestmark = pytest.mark.xdist_group("lora")
-
-
 @pytest.fixture
-def lora_vllm(second_vllm: VllmServer) -> Upstream:
-    return Upstream(second_vllm.base_url, second_vllm.served_name, MAX_MODEL_LEN, second_vllm.log_file)
+def lora_vllm(second_vllm: VllmServer, vllm: Upstream) -> Upstream:
+    return Upstream(second_vllm.base_url, second_vllm.served_name, vllm.max_model_len, second_vllm.log_file)
 
 
 def _adapter(base: Path, out: Path, seed: int) -> Path:
