@@ -266,10 +266,17 @@ class RayEngine:
         ray.cancel(ref, force=True)
 
     def describe(self) -> str:
-        """Episodes running per node and queued, for a progress line."""
+        """Episodes running per node and queued, for a progress line, which is written on the
+        run's event loop: it waits 5 s at most for the placement actor, and a placement
+        that does not answer or is gone is said so rather than holding up or ending the run."""
         import ray
 
-        counts = ray.get(self.placement.counts.remote())
+        try:
+            counts = ray.get(self.placement.counts.remote(), timeout=5)
+        except ray.exceptions.GetTimeoutError:
+            return "episodes per node: the placement actor did not answer in 5 s"
+        except ray.exceptions.RayError as exc:
+            return f"episodes per node: unknown ({type(exc).__name__})"
         running = sum(counts.values())
         nodes = ", ".join(f"{node[:8]} {k}" for node, k in sorted(counts.items()))
         queued = max(self.submitted - self.finished - running, 0)

@@ -25,7 +25,7 @@ from benchmarks.support.ray_cluster import NODE, worker_nodes
 from benchmarks.support.stack import Upstream, read_store
 from harness_adapters.collect import collect
 from harness_adapters.config import CollectConfig, load_config
-from harness_adapters.engines import RayRollouts
+from harness_adapters.engines import RayRollouts, engine_for
 from recorder.episodes import RewardRule
 from tests.support.containers import left
 
@@ -183,3 +183,25 @@ def _harnesses(marker: str) -> list[str]:
         if marker in line and "pytest" not in line:
             found.append(line)
     return found
+
+
+def test_a_progress_line_neither_waits_on_nor_fails_with_a_placement_that_does_not_answer(ray_cluster: Any) -> None:
+    """The progress line is written on the run's event loop: a placement actor that hangs holds
+    the loop 5 s at most, and one that is gone is said so; neither ends the run."""
+    import ray
+
+    class Stuck:
+        def counts(self) -> dict[str, int]:
+            time.sleep(60)
+            return {}
+
+    with engine_for(RayRollouts(address=ray_cluster.address)) as engine:
+        assert engine is not None
+        ray.get(engine.placement.counts.remote())  # the actor started, however long that took
+        assert engine.describe() == "running 0 (none), queued 0"
+        engine.placement = ray.remote(Stuck).options(num_cpus=0).remote()
+        began = time.monotonic()
+        assert "did not answer" in engine.describe()
+        assert time.monotonic() - began < 15
+        ray.kill(engine.placement)
+        assert engine.describe().startswith("episodes per node: unknown (")
