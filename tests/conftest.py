@@ -52,7 +52,8 @@ NICE = 5
 # the last). Each vLLM pins to the same ones, so the shared vLLM takes them, and every other vLLM
 # a test starts (`rl-proxy serve`'s, the CLI's, the LoRA tests', a second replica) is pinned to
 # the last CPU, beside the shared one rather than on its CPUs: on 2 cores two vLLMs had shared one
-# core while the other ran the rest. `vllm` starts the shared one with auto binding.
+# core while the other ran the rest. A binding set by whoever runs the tests is left to every vLLM.
+SHARED_VLLM_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
 
 
@@ -105,7 +106,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     # --trust-request-chat-template: the token-in test renders with a template of its own.
     extra = ["--enforce-eager", "--trust-request-chat-template"]
     server = VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=extra)
-    with mock.patch.dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="auto"):
+    with mock.patch.dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=SHARED_VLLM_BIND):
         server.start()
     try:
         yield Upstream(server.base_url, name, 8192, log)
