@@ -23,17 +23,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.mark.usefixtures("bwrap")  # its commands run in the shell example's sandbox
 def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: Any, vllm: Upstream) -> None:
     assert (HARNESS_BIN / "codex").exists(), "run `make install`: it installs Codex CLI into .harnesses/"
-    # A forced call cut at the output cap is no tool call, and Codex then quits; under forced
-    # tool calls it never stops otherwise: its timeout ends it, and the call cut then fails as
-    # "client disconnected". 192 tokens (not the config's 128): the finished tool calls seen were
-    # 43-106 tokens, and a call cut at 384 cost about 90 s of decoding at Codex's context.
-    # 150 s an episode: on a slow day its first call alone (4,700 tokens of prompt) took 85-92 s,
-    # so 90 s left no room for a second call and the test always played its second round. One
-    # episode first, which leaves Codex's prompt in vLLM's prefix cache; if it did not continue,
-    # three at once (vLLM batches them; cold, three first calls of ~4,700 tokens ran out of time
-    # together).
-    proxy = make_proxy(vllm.url, max_completion_tokens=192)
-    episode = harness_session("train-codex.yaml", sampling=FORCED, timeout=150)
+    # A forced call cut at the output cap is no tool call, and Codex then quits. 384 tokens (not
+    # the config's 128) leaves most calls room to end, yet about one episode in three has no
+    # finished tool call before its last (its first call cut, or too long to answer in time).
+    # Under forced tool calls Codex never stops: its timeout ends it, and the call cut then fails
+    # as "client disconnected". 90 s: an episode's first call, with `make test`'s other worker
+    # busy beside it, once took more than 60. One episode first, which leaves Codex's prompt in
+    # vLLM's prefix cache; if it did not continue, three at once (vLLM batches them: three took
+    # 91 s here, as one does, once the prompt was cached; cold, three first calls of ~4,700 tokens
+    # ran out of time together). One after the other, five episodes took up to 436 s.
+    proxy = make_proxy(vllm.url, max_completion_tokens=384)
+    episode = harness_session("train-codex.yaml", sampling=FORCED, timeout=90)
 
     def answered(session: str) -> list[Any]:
         recorded = proxy.calls(session)
@@ -55,7 +55,7 @@ def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: A
     for call in calls:  # each recorded as Codex sent it, with the proxy's rewrites and every token
         assert call.api == "openai.responses" and call.stream
         assert call.rewrites["model"] == ["gpt-5-codex", vllm.model]
-        assert call.rewrites["max_tokens"] == [None, 192]  # Codex asks for no limit: the proxy's cap
+        assert call.rewrites["max_tokens"] == [None, 384]  # Codex asks for no limit: the proxy's cap
         assert call.rewrites["tool_choice"][1] == "required"
         assert len(call.prompt_token_ids) > 3000 and call.completions[0].token_ids
         assert len(call.completions[0].logprobs) == len(call.completions[0].token_ids)
