@@ -205,6 +205,9 @@ def _play(
     return result
 
 
+PLACEMENT_WAIT = 5  # s: the longest a progress line holds the run's event loop
+
+
 @dataclass
 class RayEngine:
     settings: RayRollouts
@@ -267,14 +270,14 @@ class RayEngine:
 
     def describe(self) -> str:
         """Episodes running per node and queued, for a progress line, which is written on the
-        run's event loop: it waits 5 s at most for the placement actor, and a placement
+        run's event loop: it waits PLACEMENT_WAIT s at most for the placement actor, and a placement
         that does not answer or is gone is said so rather than holding up or ending the run."""
         import ray
 
         try:
-            counts = ray.get(self.placement.counts.remote(), timeout=5)
+            counts = ray.get(self.placement.counts.remote(), timeout=PLACEMENT_WAIT)
         except ray.exceptions.GetTimeoutError:
-            return "episodes per node: the placement actor did not answer in 5 s"
+            return f"episodes per node: the placement actor did not answer in {PLACEMENT_WAIT} s"
         except ray.exceptions.RayError as exc:
             return f"episodes per node: unknown ({type(exc).__name__})"
         running = sum(counts.values())
