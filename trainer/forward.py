@@ -6,9 +6,9 @@ between steps. grpo.py decides when to use it; TRL's loss is the same either way
 
 The cost of a pass is taken as a fixed part plus a part per token, and the fixed part is counted
 in tokens (`pass_overhead`): on two CPU cores it is tens of tokens, so passes of like lengths and
-a prompt run once pay; on a GPU a pass costs 1,000-3,000 tokens (issue 48, an H200), so the
-shared prompt pays only where it saves many tokens per pass it adds (long agent prompts), and
-a batch of short prompts goes through TRL's padded batch.
+a prompt run once pay; on a GPU a pass costs thousands (issue 48, an H200), so the shared
+prompt pays only where it saves many tokens per pass it adds (long agent prompts), and a batch
+of short prompts goes through TRL's padded batch.
 """
 
 from __future__ import annotations
@@ -112,26 +112,33 @@ def replayable(config: Any, head: Any = None, rows: int = 1) -> Any:
     return cache
 
 
-def pass_overhead(model: Any, accelerator: Any, vocab: int, short: int = 32, long: int = 1024) -> float:
-    """The fixed cost of a forward and backward pass on this device, in tokens: one row of `short`
-    and one of `long` random tokens through `model` as the learner runs it (autocast, TRL's fused
-    LM head), timed after a warm-up, the fastest of three (what the device does, not what else
-    ran meanwhile); the time taken as c0 + c1 x tokens, c0 / c1 returned. The gradients it made
-    are dropped. On a CPU it is CPU_OVERHEAD, not measured: there a pass of 1,024 tokens of a
-    135M model takes seconds, and two cores shared with vLLM time it too unsteadily to trust."""
+def pass_overhead(model: Any, accelerator: Any, vocab: int, length: int = 4096, rows: int = 4) -> float:
+    """The fixed cost of a forward and backward pass on this device, in tokens: a pass of one
+    row of 32 random tokens (all fixed cost) over what a token costs in a pass of `rows` rows of
+    `length` (a size a step's passes have), both through `model` as the learner runs it
+    (autocast, TRL's fused LM head), timed after a warm-up, the fastest of three (what the device
+    does, not what else ran meanwhile). The gradients it made are dropped. On a CPU it is
+    CPU_OVERHEAD, not measured: there a pass of 16,384 tokens takes minutes, and two cores
+    shared with vLLM time it too unsteadily.
+
+    Not a line through two small passes: on an H200 a pass of SmolLM2-135M took as long for
+    32 tokens as for 1,024, and as for 16,384 as for four passes of 4,096 (the GPU waits on
+    the launches), so both fits said a pass was worth 100,000 tokens, and the agent shape went
+    through the padded batch at 0.60x of the shared path (issue 48)."""
     if accelerator.device.type == "cpu":
         return CPU_OVERHEAD
-    return measured_overhead(model, accelerator, vocab, short, long)
+    return measured_overhead(model, accelerator, vocab, length, rows)
 
 
-def measured_overhead(model: Any, accelerator: Any, vocab: int, short: int = 32, long: int = 1024) -> float:
+def measured_overhead(model: Any, accelerator: Any, vocab: int, length: int = 4096, rows: int = 4) -> float:
     """`pass_overhead` as timed on the model's device (any device)."""
     import torch
 
     device = accelerator.device
+    length = min(length, getattr(model.config, "max_position_embeddings", None) or length)
 
-    def seconds(tokens: int) -> float:
-        ids = torch.randint(0, vocab, (1, tokens), device=device)
+    def seconds(shape: tuple[int, int]) -> float:
+        ids = torch.randint(0, vocab, shape, device=device)
         found = []
         for _ in range(4):
             _synchronize(device)
@@ -143,10 +150,9 @@ def measured_overhead(model: Any, accelerator: Any, vocab: int, short: int = 32,
             found.append(time.perf_counter() - start)
         return min(found[1:])
 
-    fixed, more = seconds(short), seconds(long)
+    fixed, full = seconds((1, 32)), seconds((rows, length))
     model.zero_grad(set_to_none=True)
-    per_token = max(more - fixed, 1e-9) / (long - short)
-    return min(max(fixed / per_token - short, 1.0), 1e5)
+    return min(max(fixed / full * rows * length, 1.0), 1e5)
 
 
 def _synchronize(device: Any) -> None:
@@ -162,7 +168,9 @@ def share_plan(
     """The shared-prompt path's passes for a TRL batch (prompts left-padded, completions
     right-padded): per distinct prompt, its rows in buckets of like completion lengths (at most
     `batch_size` rows a pass, `length_buckets`); and each row's completion length, up to its last
-    attended column (at least one, so that a row wholly masked stays in the graph)."""
+    attended column (at least one, so that a row wholly masked stays in the graph). Worked out
+    on the CPU: row by row on a GPU, each row's prompt would wait for the work queued before."""
+    input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu()
     width = input_ids.size(1) - keep
     groups: dict[tuple[int, ...], list[int]] = {}
     for row in range(input_ids.size(0)):

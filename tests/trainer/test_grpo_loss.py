@@ -715,7 +715,7 @@ def _batch_of(prompts: list[int], rows: int, completion: int) -> tuple[Any, Any,
 def test_the_pass_plan_follows_what_a_pass_costs_on_the_device(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 48: a pass's fixed cost, in tokens, is tens on two CPU cores and 1,000-3,000 on an
+    """Issue 48: a pass's fixed cost, in tokens, is tens on two CPU cores and thousands on an
     H200, where the shared prompt made short-prompt batches 4x slower than TRL's padded batch.
     The plan counts both paths' tokens and passes at the device's cost: at a GPU's, a batch of
     short prompts (the arithmetic example's shape) goes padded and one of long agent prompts
@@ -725,7 +725,8 @@ def test_the_pass_plan_follows_what_a_pass_costs_on_the_device(
 
     arithmetic, agent = _batch_of([136, 130], 8, 40), _batch_of([4000] * 4, 8, 120)
     assert sharing_pays(*arithmetic, 8, overhead=16) and sharing_pays(*agent, 8, overhead=16)
-    assert not sharing_pays(*arithmetic, 8, overhead=2000) and sharing_pays(*agent, 8, overhead=2000)
+    for gpu in (2000, 5936, 14576):  # an H200's, 2026-11: a 1.5B model's, SmolLM2-135M's
+        assert not sharing_pays(*arithmetic, 8, overhead=gpu) and sharing_pays(*agent, 8, overhead=gpu)
     taken: list[float | None] = []
     forward = trainer.grpo.shared_prefix_logps
     for overhead in (16.0, 1e5, None):
@@ -743,5 +744,5 @@ def test_the_pass_plan_follows_what_a_pass_costs_on_the_device(
     assert 16.0 in taken and 1e5 not in taken
     # How a GPU's is measured, run here on the CPU: it leaves no gradient behind (its value is
     # clamped to 1-100,000 tokens, so only a GPU's run says whether it is right: docs/benchmarks.md).
-    measured_overhead(learner.model, learner.trl.accelerator, len(learner.tokenizer), 8, 128)
+    measured_overhead(learner.model, learner.trl.accelerator, len(learner.tokenizer), 64, 2)
     assert all(p.grad is None for p in learner.model.parameters())
