@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -162,23 +163,36 @@ def harness_session(
     sampling: Sampling | None = None,
     timeout: float = 300,
     env: dict[str, str] | None = None,
-) -> Callable[[str, str, str], str]:
+) -> Callable[..., str | None]:
     """A session of a real CLI harness, as the shell example's `config` runs it (in its sandbox),
-    on a rename task, with `extra` arguments and `env` variables; returns a family's runner, which
-    answers the session id. A harness that never stops by itself (Codex under forced tool calls) is stopped at
-    `timeout`; the call cut then fails as "client disconnected"."""
+    on a rename task, with `extra` arguments and `env` variables; returns a family's runner
+    (proxy URL, run name, model, and `stop`, an optional threading.Event), which answers the
+    session id. A harness that never stops by itself (Codex under forced tool calls) is stopped at
+    `timeout`, or once `stop` is set (the runner then answers None: find the session by its run
+    name); the call cut then fails as "client disconnected"."""
     task = next(t for t in load_tasks(SHELL / "tasks.jsonl") if t.id == "rename-3")
     adapter = load_config(SHELL / config, TrainConfig if config.startswith("train") else CollectConfig).adapter()
     assert isinstance(adapter, CommandAdapter)
     path = f"{HARNESS_BIN}{os.pathsep}{command_env()['PATH']}"
     adapter = replace(adapter, argv=[*adapter.argv, *extra], env={**adapter.env, "PATH": path, **(env or {})})
 
-    def run(url: str, key: str, model: str) -> str:
+    def run(url: str, key: str, model: str, stop: threading.Event | None = None) -> str | None:
         workdir = Path(tempfile.mkdtemp(prefix="rlp-harness-"))
         runner = EpisodeRunner(url, adapter, [], model, workdir, key, timeout=timeout, sampling=sampling)
-        [result] = asyncio.run(runner.run_all([task], 1))
-        assert result.calls, f"{config}: no call reached the proxy: {result.outcome}"
-        return result.session_id
+
+        async def play() -> str | None:
+            episode = asyncio.ensure_future(runner.run_all([task], 1))
+            while not episode.done() and not (stop is not None and stop.is_set()):
+                await asyncio.wait({episode}, timeout=1)
+            if not episode.done():  # stopped: the harness's process group is killed
+                episode.cancel()
+                await asyncio.gather(episode, return_exceptions=True)
+                return None
+            [result] = episode.result()
+            assert result.calls, f"{config}: no call reached the proxy: {result.outcome}"
+            return result.session_id
+
+        return asyncio.run(play())
 
     return run
 

@@ -7,17 +7,21 @@ seldom calls a tool of its own accord, so the session's sampling forces `tool_ch
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 
 from benchmarks.support.sessions import FORCED, HARNESS_BIN, harness_session, masked_in, sampled
 from benchmarks.support.stack import Upstream
 from recorder.graph import build_sequences
 
-# A ~4,700-token prompt on 2 CPU cores, two rounds of episodes at most; it may also wait for the shared vLLM to start.
+# A ~4,700-token prompt on 2 CPU cores, then episodes of up to 150 s; it may also wait for the shared vLLM to start.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
 
 
 @pytest.mark.usefixtures("bwrap")  # its commands run in the shell example's sandbox
@@ -26,30 +30,44 @@ def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: A
     # A forced call cut at the output cap is no tool call, and Codex then quits. 384 tokens (not
     # the config's 128) leaves most calls room to end, yet about one episode in three has no
     # finished tool call before its last (its first call cut, or too long to answer in time).
-    # Under forced tool calls Codex never stops: its timeout ends it, and the call cut then fails
-    # as "client disconnected". 90 s: an episode's first call, with `make test`'s other worker
-    # busy beside it, once took more than 60. One episode first, which leaves Codex's prompt in
-    # vLLM's prefix cache; if it did not continue, three at once (vLLM batches them: three took
-    # 91 s here, as one does, once the prompt was cached; cold, three first calls of ~4,700 tokens
-    # ran out of time together). One after the other, five episodes took up to 436 s.
+    # Under forced tool calls Codex never stops: it is stopped at its timeout, or as soon as one
+    # episode has continued (a finished tool call, and a call after it), and the call cut then
+    # fails as "client disconnected". One episode first; two more once vLLM has read its
+    # ~4,700-token prompt (its first token: vLLM's time-to-first-token count), which is then in
+    # vLLM's prefix cache (cold, three first calls at once ran out of time together). Played as
+    # two rounds of fixed length instead (one episode of 90 s, whose first call alone took
+    # 78-92 s here, then three of 90 s), the test took about 180 s, and failed wherever two
+    # calls of an episode did not fit in 90 s (one that passed continued 2 s before its end).
     proxy = make_proxy(vllm.url, max_completion_tokens=384)
-    episode = harness_session("train-codex.yaml", sampling=FORCED, timeout=90)
+    episode = harness_session("train-codex.yaml", sampling=FORCED, timeout=150)
+    keys = [f"codex-{i}" for i in range(3)]
 
-    def answered(session: str) -> list[Any]:
-        recorded = proxy.calls(session)
-        assert all(c.ok for c in recorded[:-1]), [c.error for c in recorded]  # the last: cut at the timeout
+    def answered(key: str) -> list[Any]:
+        session = next((s.id for s in proxy.sessions() if s.run == key), None)
+        recorded = proxy.calls(session) if session else []
+        assert all(c.ok for c in recorded[:-1]), [c.error for c in recorded]  # the last: cut when stopped
         return [c for c in recorded if c.ok]
 
     def continued(calls: list[Any]) -> bool:  # a tool call finished, and a call after it
         return any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1])
 
-    played: list[list[Any]] = []
-    for round_, size in enumerate((1, 3)):
-        with ThreadPoolExecutor(size) as pool:
-            keys = [f"codex-{round_}-{i}" for i in range(size)]
-            played += [answered(s) for s in pool.map(lambda key: episode(proxy.url, key, vllm.model), keys)]
-        if any(map(continued, played)):
-            break
+    def first_tokens() -> float:
+        metrics = httpx.get(f"{vllm.url.removesuffix('/v1')}/metrics").text.splitlines()
+        return sum(float(line.split()[-1]) for line in metrics if line.startswith(FIRST_TOKENS))
+
+    stop, before = threading.Event(), first_tokens()
+    with ThreadPoolExecutor(len(keys)) as pool:
+        playing = [pool.submit(episode, proxy.url, keys[0], vllm.model, stop)]
+        while not playing[0].done() and first_tokens() == before:
+            time.sleep(1)
+        playing += [pool.submit(episode, proxy.url, key, vllm.model, stop) for key in keys[1:]]
+        while not all(f.done() for f in playing):
+            if any(continued(answered(key)) for key in keys):
+                stop.set()
+            time.sleep(2)
+        for finished in playing:
+            finished.result()  # what went wrong in an episode, raised here
+    played = [answered(key) for key in keys]
     calls = next((c for c in played if continued(c)), [])
     assert calls, f"no tool call finished before the last answered call, in {len(played)} episodes"
     for call in calls:  # each recorded as Codex sent it, with the proxy's rewrites and every token
