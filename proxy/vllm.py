@@ -139,6 +139,15 @@ class VllmServer:
 
     def start(self, timeout: float = 900.0, progress: bool = False) -> None:
         """Start vLLM and wait until it answers /health; BackendError if it cannot."""
+        self.launch()
+        try:
+            self.wait_ready(timeout, progress)
+        except BaseException:  # it exited, it took too long, or Ctrl-C: nothing of it stays
+            self.stop()
+            raise
+
+    def launch(self) -> None:
+        """Start vLLM's process and return at once (`wait_ready` waits for it)."""
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -155,11 +164,6 @@ class VllmServer:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        try:
-            self.wait_ready(timeout, progress)
-        except BaseException:  # it exited, it took too long, or Ctrl-C: nothing of it stays
-            self.stop()
-            raise
 
     def wait_ready(self, timeout: float, progress: bool = False) -> None:
         """Wait for /health. `progress`: the seconds waited, rewritten in place on a terminal, and

@@ -57,8 +57,20 @@ def _second(vllm: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     server = VllmServer(
         path, name, log_file=log, max_model_len=vllm.max_model_len, extra_args=["--enforce-eager"], lora_rank=16
     )
+    server.launch()  # waited for by second_vllm: the tests before the first that needs it run meanwhile
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _second_ahead(request: pytest.FixtureRequest) -> None:
+    """The second vLLM starts in the background at the first trainer test on the shared vLLM's
+    worker, so that its start (60-90 s on 2 cores) overlaps the tests before the LoRA tests
+    instead of being waited for by the first of them, on the run's longest chain. Only where a
+    collected test needs it."""
+    items = request.session.items
+    if "vllm" in request.fixturenames and any("second_vllm" in getattr(i, "fixturenames", ()) for i in items):
+        request.getfixturevalue("_second")
 
 
 @pytest.fixture
@@ -66,10 +78,13 @@ def second_vllm(_second: VllmServer) -> VllmServer:
     """A second vLLM beside the shared one, started as the launcher starts it for LoRA
     (`max_lora_rank`): the LoRA tests' server, then the second replica of the replica test, which
     stops it (test files run in name order: test_lora_vllm.py before test_swap_vllm.py); started
-    again if a later test asks for it. One start instead of two, 45-60 s each on 2 cores. Each
-    test gets it serving the base model alone: adapters an earlier test left are unloaded."""
+    again if a later test asks for it. One start instead of two, 45-90 s each on 2 cores, and
+    that one in the background (`_second_ahead`). Each test gets it serving the base model
+    alone: adapters an earlier test left are unloaded."""
     if _second.process is None or _second.process.poll() is not None:
         _second.start()
+    else:
+        _second.wait_ready(900)
     for model in httpx.get(f"{_second.base_url}/models").json()["data"]:
         if model.get("parent"):
             unload = {"lora_name": model["id"]}
