@@ -221,8 +221,12 @@ class Upstream:
         try:
             try:
                 return await self.session.request(method, url, data=data, headers=headers)
-            except aiohttp.ServerDisconnectedError:  # a pooled connection the server had closed:
-                return await self.session.request(method, url, data=data, headers=headers)  # once more
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):  # no connection at all: below
+                    raise
+                # A pooled connection the server had closed, found closed before the request was
+                # answered or reset under it (the soak saw "Can not write request body"): once more.
+                return await self.session.request(method, url, data=data, headers=headers)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.base_url} timed out") from exc
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: the server is not there

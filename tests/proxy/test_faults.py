@@ -6,11 +6,13 @@ about the proxy and the store, and a fixed, fast upstream makes the load heavy.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import tempfile
@@ -425,3 +427,62 @@ def test_a_whole_answer_whose_client_hung_up_is_recorded_as_not_delivered(
         assert call.error == "client disconnected before the answer" and call.completions[0].token_ids
         delivered = httpx.post(f"{proxy.url}/s/kept/v1/{route}", json=body, timeout=10)
         assert delivered.status_code == 200 and [c.http_status for c in proxy.calls("kept")] == [200]
+
+
+@contextmanager
+def resetting_forwarder(upstream: str) -> Iterator[tuple[str, list[int]]]:
+    """A TCP forwarder in front of the stub upstream (NOT vLLM) that, once, resets a kept-alive
+    connection as the next chat request on it arrives, before its body is read: what a server
+    does that closes an idle connection (uvicorn after 5 s) just as a client takes it from its
+    pool. Yields the forwarder's /v1 URL and a list that counts the resets."""
+    target = upstream.removeprefix("http://").removesuffix("/v1").split(":")
+    listener = socket.create_server(("127.0.0.1", 0))
+    resets: list[int] = []
+    line = b"POST /v1/chat/completions "
+
+    def pipe(src: socket.socket, dst: socket.socket, client_side: bool) -> None:
+        seen = 0
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(65536):
+                seen += client_side and chunk.count(line)
+                if client_side and seen > 1 and not resets:
+                    resets.append(1)
+                    src.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    break
+                dst.sendall(chunk)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                server = socket.create_connection((target[0], int(target[1])))
+                threading.Thread(target=pipe, args=(client, server, True), daemon=True).start()
+                threading.Thread(target=pipe, args=(server, client, False), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1", resets
+    finally:
+        listener.close()
+
+
+def test_a_pooled_upstream_connection_reset_under_a_request_is_retried_on_a_fresh_one(
+    make_proxy: Any, stub: str
+) -> None:
+    """The soak once answered 502 "Can not write request body": the stub upstream had closed a
+    pooled connection as the proxy sent a request's body on it. Nothing of that request reached
+    the upstream, so the proxy sends it once more on a fresh connection, as it does when a pooled
+    connection turns out closed before the request (ServerDisconnectedError)."""
+    with resetting_forwarder(stub) as (upstream, resets):
+        proxy = make_proxy(upstream)
+        client = OpenAI(base_url=proxy.v1, api_key="pooled", max_retries=0, timeout=30)
+        big = "x" * 4_000_000  # far more than a socket buffer: the body is still being written at the reset
+        answers = [
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}]).id
+            for content in ("first", big)
+        ]
+    assert resets == [1]
+    assert [c.response["id"] for c in proxy.calls("pooled")] == answers
