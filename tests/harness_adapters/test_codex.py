@@ -42,11 +42,14 @@ def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: A
     episode = harness_session("train-codex.yaml", sampling=FORCED, timeout=150)
     keys = [f"codex-{i}" for i in range(6)]
 
-    def answered(key: str) -> list[Any]:
-        session = next((s.id for s in proxy.sessions() if s.run == key), None)
-        recorded = proxy.calls(session) if session else []
-        assert all(c.ok for c in recorded[:-1]), [c.error for c in recorded]  # the last: cut when stopped
-        return [c for c in recorded if c.ok]
+    def answered(keys: list[str]) -> dict[str, list[Any]]:  # one read of the store for all
+        runs = {s.id: s.run for s in proxy.sessions()}
+        recorded: dict[str, list[Any]] = {key: [] for key in keys}
+        for call in sorted(proxy.calls(), key=lambda c: c.seq):  # each session's in call order
+            recorded.get(runs.get(call.session_id, ""), []).append(call)
+        for calls in recorded.values():
+            assert all(c.ok for c in calls[:-1]), [c.error for c in calls]  # the last: cut when stopped
+        return {key: [c for c in calls if c.ok] for key, calls in recorded.items()}
 
     def continued(calls: list[Any]) -> bool:  # a tool call finished, and a call after it
         return any(c.completions[0].finish_reason == "tool_calls" for c in calls[:-1])
@@ -63,7 +66,7 @@ def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: A
         # Three at a time; one that ended without continuing (all three first calls of a run
         # in the suite ran to the cap) is replaced, up to six.
         while not all(f.done() for f in playing.values()) or (len(playing) < len(keys) and not stop.is_set()):
-            if any(continued(answered(key)) for key in playing):
+            if any(map(continued, answered(list(playing)).values())):
                 stop.set()
             running = sum(not f.done() for f in playing.values())
             for key in keys[len(playing) : len(playing) + max(0, 3 - running)] if not stop.is_set() else []:
@@ -71,7 +74,7 @@ def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: A
             time.sleep(2)
         for finished in playing.values():
             finished.result()  # what went wrong in an episode, raised here
-    played = [answered(key) for key in playing]
+    played = list(answered(list(playing)).values())
     calls = next((c for c in played if continued(c)), [])
     assert calls, f"no tool call finished before the last answered call, in {len(played)} episodes"
     for call in calls:  # each recorded as Codex sent it, with the proxy's rewrites and every token
