@@ -108,10 +108,11 @@ def test_count_tokens_matches_the_recorded_prompt(proxy: RunningProxy, vllm: Ups
 
 def test_claude_code_style_request_is_fitted(proxy: RunningProxy, vllm: Upstream) -> None:
     """Claude Code's own model names and 32000-token limit: served by the policy, capped, recorded.
-    Greedy: sampled, the answer ran to the 2,048-token cap now and then (150 s on two cores)."""
+    Greedy and ended at its first full stop: sampled, the answer ran to the 2,048-token cap now and
+    then (150 s on two cores), and greedy it took 20 s."""
     c = anthropic.Anthropic(base_url=proxy.url, api_key="a-claude", max_retries=0, default_query={"beta": "true"})
-    greedy = {"temperature": 0}
-    with c.messages.stream(model="claude-sonnet-4-5", max_tokens=32000, messages=ASK, extra_body=greedy) as stream:
+    greedy, asked = {"temperature": 0}, {"max_tokens": 32000, "stop_sequences": ["."]}
+    with c.messages.stream(model="claude-sonnet-4-5", messages=ASK, extra_body=greedy, **asked) as stream:
         reply = stream.get_final_message()
     assert reply.type == "message" and reply.content
     [call] = proxy.calls("a-claude")

@@ -53,6 +53,9 @@ def test_one_step_through_claude_code(
     argv[argv.index("--tools") + 1] = "Bash"
     argv += ["--system-prompt", "You are a shell agent: do the task in this directory with the Bash tool."]
     config.harness.argv = ["sh", "-c", '"$@" || true', "sh", *argv]  # type: ignore[union-attr]
+    # 32 tokens a call, not the example's 128: a 135M model's calls here run to the cap whatever
+    # it is (Claude Code then asks it to go on, four calls an episode), and the cap set the time.
+    config.harness.env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = "32"  # type: ignore[union-attr]
     # Checkpointed layers: a step on Claude Code's full ~7,700-token sequences peaked near 16 GB in
     # the test process, which with the shared vLLM beside it reached this machine's 24 GB once in CI.
     grpo = {**config.train.grpo, "gradient_checkpointing": True}
