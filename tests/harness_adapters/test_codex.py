@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +28,9 @@ INSTRUCTIONS = "You are a coding agent in a terminal. Do the task with your tool
 
 
 @pytest.mark.usefixtures("bwrap")  # its commands run in the shell example's sandbox
-def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(make_proxy: Any, vllm: Upstream, tmp_path: Path) -> None:
+def test_codex_tool_calls_are_recorded_and_join_one_exact_sequence(
+    make_proxy: Any, vllm: Upstream, tmp_path: Path
+) -> None:
     assert (HARNESS_BIN / "codex").exists(), "run `make install`: it installs Codex CLI into .harnesses/"
     # A forced call cut at the output cap is no tool call, and Codex then quits. 384 tokens (not
     # the config's 128) leaves most calls room to end, yet about one episode in three has no
