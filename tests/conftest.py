@@ -29,6 +29,7 @@ from proxy.app import create_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from proxy.vllm import VllmServer
+from tests.support.collected import collected_use
 
 
 @pytest.hookimpl(wrapper=True)
@@ -61,10 +62,18 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): every test that uses
     one of SHARED goes to the same worker, in file order as without workers, and the rest (stub
-    upstreams, tiny models, vLLMs of their own) to the other, on the CPU the shared vLLM leaves."""
+    upstreams, tiny models, vLLMs of their own) to the other, on the CPU the shared vLLM leaves.
+    The shared worker's tests that need neither the shared vLLM nor a Ray cluster (the container
+    tests on stub upstreams, about 90 s) go first, while the shared vLLM starts (`_vllm_ahead`)."""
     for item in items:
         if SHARED & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("shared"))
+    items.sort(key=lambda item: not _engine_only(item))  # stable: file order otherwise
+
+
+def _engine_only(item: pytest.Item) -> bool:
+    uses = set(getattr(item, "fixturenames", ()))
+    return "engine_service" in uses and not uses & {"vllm", "ray_cluster"}
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -89,12 +98,11 @@ def _litellm() -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    """The real vLLM server with SmolLM2-135M-Instruct, shared by every test that needs it."""
-    given = os.environ.get("RLP_TEST_UPSTREAM")
-    if given:
-        served = httpx.get(f"{given}/models").json()["data"][0]
-        yield Upstream(given, served["id"], served["max_model_len"])
+def _vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer | None]:
+    """The shared vLLM's process, launched and not waited for (`vllm` waits); None where
+    RLP_TEST_UPSTREAM names one already running."""
+    if os.environ.get("RLP_TEST_UPSTREAM"):
+        yield None
         return
     from proxy.model import resolve_model
 
@@ -107,11 +115,31 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     extra = ["--enforce-eager", "--trust-request-chat-template"]
     server = VllmServer(path, name, log_file=log, max_model_len=8192, extra_args=extra)
     with mock.patch.dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=SHARED_VLLM_BIND):
-        server.start()
+        server.launch()
     try:
-        yield Upstream(server.base_url, name, 8192, log)
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _vllm_ahead(request: pytest.FixtureRequest) -> None:
+    """The shared vLLM starts (45-90 s on 2 cores) at the shared worker's first test, in the
+    background, where a collected test needs it: the tests before the first that does (the
+    container tests on stub upstreams, sorted first) run meanwhile."""
+    if request.node.get_closest_marker("xdist_group") and collected_use(request.session, "vllm"):
+        request.getfixturevalue("_vllm_server")
+
+
+@pytest.fixture(scope="session")
+def vllm(_vllm_server: VllmServer | None) -> Upstream:
+    """The real vLLM server with SmolLM2-135M-Instruct, shared by every test that needs it."""
+    if _vllm_server is None:
+        given = os.environ["RLP_TEST_UPSTREAM"]
+        served = httpx.get(f"{given}/models").json()["data"][0]
+        return Upstream(given, served["id"], served["max_model_len"])
+    _vllm_server.wait_ready(900)
+    return Upstream(_vllm_server.base_url, _vllm_server.served_name, 8192, _vllm_server.log_file)
 
 
 # The Debian packages of the system tools tests need; `make test` installs them (Makefile).

@@ -12,6 +12,7 @@ import pytest
 from benchmarks.support.stack import Upstream
 from proxy.model import resolve_model
 from proxy.vllm import VllmServer
+from tests.support.collected import collected_use
 from trainer.weight_sync import hot_swap
 
 HELD = 2.0  # GB: a learner of SmolLM2-135M and its optimizer; the tiny model's hold a few MB
@@ -68,8 +69,7 @@ def _second_ahead(request: pytest.FixtureRequest) -> None:
     worker, so that its start (60-90 s on 2 cores) overlaps the tests before the LoRA tests
     instead of being waited for by the first of them, on the run's longest chain. Only where a
     collected test needs it."""
-    items = request.session.items
-    if "vllm" in request.fixturenames and any("second_vllm" in getattr(i, "fixturenames", ()) for i in items):
+    if "vllm" in request.fixturenames and collected_use(request.session, "second_vllm"):
         request.getfixturevalue("_second")
 
 
