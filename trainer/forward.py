@@ -162,9 +162,11 @@ def _synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def share_plan(
-    input_ids: Any, attention_mask: Any, keep: int, batch_size: int, overhead: float
-) -> tuple[list[tuple[tuple[int, ...], list[list[int]]]], list[int]]:
+# The shared-prompt path's passes: per distinct prompt, its buckets of rows; and each row's length.
+SharePlan = tuple[list[tuple[tuple[int, ...], list[list[int]]]], list[int]]
+
+
+def share_plan(input_ids: Any, attention_mask: Any, keep: int, batch_size: int, overhead: float) -> SharePlan:
     """The shared-prompt path's passes for a TRL batch (prompts left-padded, completions
     right-padded): per distinct prompt, its rows in buckets of like completion lengths (at most
     `batch_size` rows a pass, `length_buckets`); and each row's completion length, up to its last
@@ -184,17 +186,18 @@ def share_plan(
     return plan, lengths
 
 
-def sharing_pays(input_ids: Any, attention_mask: Any, keep: int, batch_size: int, overhead: float) -> bool:
-    """Whether the shared-prompt path costs fewer tokens than TRL's padded batch, a pass counted
-    as `overhead` tokens: TRL's runs passes of `batch_size` rows, each row padded to the batch's
-    width; the shared path one pass per prompt (but its last token) and one per bucket of rows."""
+def sharing_pays(input_ids: Any, plan: SharePlan, batch_size: int, overhead: float) -> bool:
+    """Whether the shared-prompt path's `plan` (`share_plan`) costs fewer tokens than TRL's padded
+    batch, a pass counted as `overhead` tokens: TRL's runs passes of `batch_size` rows, each row
+    padded to the batch's width; the shared path one pass per prompt (but its last token) and one
+    per bucket of rows."""
     rows = input_ids.size(0)
     padded = math.ceil(rows / batch_size) * overhead + rows * input_ids.size(1)
-    plan, lengths = share_plan(input_ids, attention_mask, keep, batch_size, overhead)
+    passes, lengths = plan
     shared = sum(
         (len(prompt) - 1 + overhead if len(prompt) > 1 else 0.0)
         + sum(overhead + len(bucket) * (1 + max(lengths[r] for r in bucket)) for bucket in buckets)
-        for prompt, buckets in plan
+        for prompt, buckets in passes
     )
     return shared < padded
 
@@ -205,9 +208,8 @@ def shared_prefix_logps(
     attention_mask: Any,
     keep: int,
     accelerator: Any,
-    batch_size: int | None = None,
+    plan: SharePlan,
     compute_entropy: bool = False,
-    overhead: float = CPU_OVERHEAD,
 ) -> tuple[Any, Any]:
     """Per-token logprobs (and entropies) of the last `keep` columns of a TRL batch (prompts
     left-padded, completions right-padded), as TRL's fused LM head gives them, with each prompt
@@ -215,18 +217,19 @@ def shared_prefix_logps(
     flow back through them from every row) and the rows run only their completions, in passes of
     like lengths (`length_buckets`, a pass counted as `overhead` tokens) instead of padded to the
     longest. A GRPO group's rows share their prompt (system, demo, task), most of each sequence
-    in the example. Positions are those vLLM sampled at (no left padding)."""
+    in the example. Positions are those vLLM sampled at (no left padding). `plan`: its passes,
+    from `share_plan`."""
     import torch
 
     width = input_ids.size(1) - keep
-    plan, lengths = share_plan(input_ids, attention_mask, keep, batch_size or input_ids.size(0), overhead)
+    passes, lengths = plan
     unwrapped = accelerator.unwrap_model(model)
     causal = unwrapped.get_base_model() if hasattr(unwrapped, "peft_config") else unwrapped  # LoRA layers inside
     units = [m for m in causal.modules() if sharded(m) and m is not causal]  # FSDP2's decoder layers
     if units:
-        plan = in_step(plan)
+        passes = in_step(passes)
     rows_done, logps, entropies, idle = [], [], [], []
-    for prompt, buckets in plan:
+    for prompt, buckets in passes:
         # The prompt but its last token, whose output scores the first sampled one; sharded, a
         # prompt of one token gets a head too (a masked token), so that every rank runs one.
         head = prompt[:-1] or ((0,) if units else ())

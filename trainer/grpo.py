@@ -36,6 +36,7 @@ from trainer.forward import (
     pass_overhead,
     prompt_cache_fits,
     release_memory,
+    share_plan,
     shared_prefix_logps,
     sharing_pays,
 )
@@ -320,9 +321,9 @@ class Learner:
             overhead = CPU_OVERHEAD if self.overhead is None else self.overhead  # measured at the first step
             # Sharded, every rank takes the shared path: their passes must pair up (`in_step`).
             chosen = self.shared_prefix or self.fsdp
-            if chosen or sharing_pays(input_ids, attention_mask, keep, self.micro_batch, overhead):
-                given = (input_ids, attention_mask, keep, accelerator, self.micro_batch, compute_entropy)
-                return shared_prefix_logps(model, *given, overhead)
+            plan = share_plan(input_ids, attention_mask, keep, self.micro_batch, overhead)
+            if chosen or sharing_pays(input_ids, plan, self.micro_batch, overhead):
+                return shared_prefix_logps(model, input_ids, attention_mask, keep, accelerator, plan, compute_entropy)
         logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             self.trl, model, input_ids, attention_mask, keep, self.micro_batch, compute_entropy
         )

@@ -721,12 +721,15 @@ def test_the_pass_plan_follows_what_a_pass_costs_on_the_device(
     short prompts (the arithmetic example's shape) goes padded and one of long agent prompts
     shared; at a CPU's both share. The cost is measured on the device when not given."""
     import trainer.grpo
-    from trainer.forward import CPU_OVERHEAD, measured_overhead, sharing_pays
+    from trainer.forward import CPU_OVERHEAD, measured_overhead, share_plan, sharing_pays
+
+    def pays(batch: tuple[Any, Any, int], overhead: float) -> bool:
+        return sharing_pays(batch[0], share_plan(*batch, 8, overhead), 8, overhead)
 
     arithmetic, agent = _batch_of([136, 130], 8, 40), _batch_of([4000] * 4, 8, 120)
-    assert sharing_pays(*arithmetic, 8, overhead=16) and sharing_pays(*agent, 8, overhead=16)
+    assert pays(arithmetic, 16) and pays(agent, 16)
     for gpu in (2000, 5936, 14576):  # an H200's, 2026-11: a 1.5B model's, SmolLM2-135M's
-        assert not sharing_pays(*arithmetic, 8, overhead=gpu) and sharing_pays(*agent, 8, overhead=gpu)
+        assert not pays(arithmetic, gpu) and pays(agent, gpu)
     taken: list[float | None] = []
     forward = trainer.grpo.shared_prefix_logps
     for overhead in (16.0, 1e5, None):
