@@ -246,13 +246,19 @@ def test_sigterm_stops_the_vllm_and_the_episodes_a_command_started(tmp_path: Pat
     command = [sys.executable, "-m", "trainer.cli", "collect", str(tmp_path / "collect.yaml")]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     started: list[psutil.Process] = []
+
+    def command_line(process: psutil.Process) -> str:
+        with contextlib.suppress(psutil.Error):  # gone since listed, or a zombie (vLLM's start makes short-lived ones)
+            return " ".join(process.cmdline())
+        return ""
+
     deadline = time.monotonic() + 480
-    while sum("time.sleep(600)" in " ".join(p.cmdline()) for p in started) < 2:  # vLLM up, episodes on
+    while sum("time.sleep(600)" in command_line(p) for p in started) < 2:  # vLLM up, episodes on
         assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.stdout else ""
         time.sleep(1)
         with contextlib.suppress(psutil.NoSuchProcess):
             started = psutil.Process(job.pid).children(recursive=True)
-    assert any("vllm" in " ".join(p.cmdline()) for p in started)
+    assert any("vllm" in command_line(p) for p in started)
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     assert job.returncode == 130, output[-2000:]
@@ -264,4 +270,4 @@ def test_sigterm_stops_the_vllm_and_the_episodes_a_command_started(tmp_path: Pat
         time.monotonic() < deadline
     ):
         time.sleep(0.5)
-    assert left == [], [" ".join(p.cmdline())[:120] for p in left]
+    assert left == [], [command_line(p)[:120] for p in left]
