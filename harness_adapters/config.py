@@ -116,12 +116,18 @@ class PresetHarness(Strict):
     type: PresetName
     args: list[str] = Field(default_factory=list, description="more arguments for its command line, templated")
     env: dict[str, str] = Field(default_factory=dict, description="extra variables, templated")
+    files: dict[str, str] = Field(
+        default_factory=dict, description="more files written before it starts (path: text), templated"
+    )
     runtime: str | None = Field(None, description="the host path of its runtime [default: found on this machine]")
 
     def command(self) -> CommandHarness:
         found = preset(self.type, self.runtime)
         return CommandHarness(
-            type="command", argv=found.argv + self.args, env={**found.env, **self.env}, files=found.files
+            type="command",
+            argv=found.argv + self.args,
+            env={**found.env, **self.env},
+            files={**found.files, **self.files},
         )
 
 
