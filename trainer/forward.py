@@ -214,11 +214,9 @@ def shared_prefix_logps(
     """Per-token logprobs (and entropies) of the last `keep` columns of a TRL batch (prompts
     left-padded, completions right-padded), as TRL's fused LM head gives them, with each prompt
     run once for all the rows that share it: its keys and values are computed once (gradients
-    flow back through them from every row) and the rows run only their completions, in passes of
-    like lengths (`length_buckets`, a pass counted as `overhead` tokens) instead of padded to the
-    longest. A GRPO group's rows share their prompt (system, demo, task), most of each sequence
-    in the example. Positions are those vLLM sampled at (no left padding). `plan`: its passes,
-    from `share_plan`."""
+    flow back through them from every row) and the rows run only their completions, in the passes
+    of like lengths that `plan` holds (`share_plan`) instead of padded to the longest. A GRPO group's rows share their prompt (system, demo, task), most of each sequence
+    in the example. Positions are those vLLM sampled at (no left padding)."""
     import torch
 
     width = input_ids.size(1) - keep
