@@ -216,7 +216,8 @@ def shared_prefix_logps(
     run once for all the rows that share it: its keys and values are computed once (gradients
     flow back through them from every row) and the rows run only their completions, in the passes
     of like lengths that `plan` holds (`share_plan`) instead of padded to the longest. A GRPO
-    group's rows share their prompt (system, demo, task), most of each sequence in the example. Positions are those vLLM sampled at (no left padding)."""
+    group's rows share their prompt (system, demo, task), most of each sequence in the example.
+    Positions are those vLLM sampled at (no left padding)."""
     import torch
 
     width = input_ids.size(1) - keep
