@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-profile bench-scale bench-environments claude-graph serve
+.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-profile bench-scale bench-environments claude-graph serve test-slow
 
 install: $(STAMP)
 
@@ -74,6 +74,10 @@ system:
 
 test: install system
 	RLP_REQUIRE_SYSTEM=1 $(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadgroup
+
+# The suite as on a machine twice as slow: a real-time spinner takes half of every CPU (root).
+test-slow: install system
+	$(PY) -m benchmarks.support.slow_machine --taken 0.5 -- $(MAKE) test
 
 # The long soak: 64 sessions, multi-turn, 150 s on SQLite then PostgreSQL (stub upstream),
 # and the fuzz with 200 examples per route.
