@@ -1,6 +1,6 @@
 """Where one call's milliseconds go in rl-proxy (`make bench-profile`): one client calls the
 proxy in front of the STUB upstream (benchmarks/support/stub_upstream.py, not vLLM) answering
-at once, while py-spy samples every thread of the proxy's process; each sample goes to the part
+at once (or after `--latency`), while py-spy samples every thread of the proxy's process; each sample goes to the part
 of its deepest frame that names one (PARTS), and a part's CPU time is divided by the calls made
 meanwhile. Timed first, in interleaved rounds: the direct call to the stub, the call through
 the passthrough floor (benchmarks/support/passthrough.py: the same server stack forwarding bytes,
@@ -104,6 +104,7 @@ def _part(frames: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="how long py-spy samples each shape")
+    parser.add_argument("--latency", type=float, default=0.0, help="the stub's latency, seconds (bench_proxy's: 0.05)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlp-profile-"))
     stub_port, rlp_port = free_port(), free_port()
@@ -112,11 +113,11 @@ def main() -> None:
     serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(work / "p.db"), "--port", str(rlp_port)]
     with (
         process(
-            [py, "-m", "benchmarks.support.stub_upstream", "--port", str(stub_port), "--latency", "0"],
+            [py, "-m", "benchmarks.support.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
             f"{stub}/models",
             work / "stub.log",
         ),
-        floor(stub, work / "passthrough.log") as passthrough,
+        floor(stub, work / "passthrough.log") as (passthrough, _),
         process(serve, f"http://127.0.0.1:{rlp_port}/healthz", work / "rl-proxy.log") as proxy,
     ):
         targets = {
@@ -145,7 +146,8 @@ def main() -> None:
     for shape, medians, made, parts in rows:
         floored, added = (medians[name] - medians["direct"] for name in ("passthrough", "rl-proxy"))
         print(
-            f"\n{shape} calls, 1 client, stub upstream at 0 ms, medians of {ROUNDS} interleaved rounds of 100: "
+            f"\n{shape} calls, 1 client, stub upstream at {args.latency * 1000:g} ms, "
+            f"medians of {ROUNDS} interleaved rounds of 100: "
             f"direct {medians['direct']:.2f} ms; the passthrough floor adds {floored:.2f}, rl-proxy {added:.2f}. "
             f"rl-proxy's CPU ms a call by part (py-spy, {made} calls sampled):\n"
         )

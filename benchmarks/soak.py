@@ -52,31 +52,42 @@ def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> li
 
 
 def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
-    """Calls/s recorded into each store at `sessions` clients, and the latency the proxy adds
-    over a direct call to the stub; rounds alternate between targets against machine noise.
-    Beside them the passthrough floor (benchmarks/support/passthrough.py: the same HTTP server
-    and client, recording nothing): the most a proxy in one process of this stack can pass."""
+    """Calls/s recorded into each store at `sessions` clients, the latency the proxy adds over a
+    direct call to the stub, and the CPU its process spends a call; rounds alternate between
+    targets against machine noise. Beside them the passthrough floor
+    (benchmarks/support/passthrough.py: the same HTTP server and client, recording nothing): the
+    most a proxy in one process of this stack can pass."""
+    import psutil  # vLLM's dependency
+
     samples: dict[str, list[Load]] = {"direct": [], "passthrough": [], "sqlite": [], "postgresql": []}
+    cpu: dict[str, list[float]] = {name: [] for name in samples}  # ms of the server's process a call
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
-        passthrough = running.enter_context(floor(upstream, Path(tempfile.mkdtemp()) / "floor.log"))
-        bases = {"direct": upstream, "passthrough": passthrough}
+        bases: dict[str, tuple[str, psutil.Process | None]] = {"direct": (upstream, None)}
+        passthrough, pid = running.enter_context(floor(upstream, Path(tempfile.mkdtemp()) / "floor.log"))
+        bases["passthrough"] = (passthrough, psutil.Process(pid))
         for kind, db in dbs.items():
-            bases[kind], _ = running.enter_context(proxy(upstream, db, Path(tempfile.mkdtemp()) / "proxy.log"))
+            base, pid = running.enter_context(proxy(upstream, db, Path(tempfile.mkdtemp()) / "proxy.log"))
+            bases[kind] = (base, psutil.Process(pid))
         for round_ in range(rounds):
-            for name, base in bases.items():
-                samples[name].append(asyncio.run(run_load(base, sessions, seconds, ("chat",), None)))
+            for name, (base, server) in bases.items():
+                before = sum(server.cpu_times()[:2]) if server else 0.0
+                load = asyncio.run(run_load(base, sessions, seconds, ("chat",), None))
+                if server:
+                    cpu[name].append((sum(server.cpu_times()[:2]) - before) * 1000 / len(load.answered))
+                samples[name].append(load)
             print(f"  round {round_ + 1}/{rounds} done", file=sys.stderr)
         problems = {kind: [p for load in samples[kind] for p in verify(db, load)] for kind, db in dbs.items()}
     direct = statistics.median(x for load in samples["direct"] for x in load.latencies)
     print(
         f"\nCalls recorded per second at {sessions} concurrent clients, multi-turn chat (stub upstream: "
-        f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s)\n"
+        f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s); the last "
+        "column is the CPU time (user and system) of the server's process a call, median of the rounds\n"
     )
     print(
         "| target | calls/s (median of rounds; x direct) | latency median ms | p99 ms | added median ms"
-        " | lost or mismatched |"
+        " | lost or mismatched | CPU ms a call |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     names = {"direct": "direct (the stub alone)", "passthrough": "the passthrough floor (records nothing)"}
     rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}
     for name, loads in samples.items():
@@ -84,7 +95,8 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         print(
             f"| {names.get(name, f'rl-proxy + {name}')} | {rate[name]:.0f} ({rate[name] / rate['direct']:.2f}x) | "
             f"{statistics.median(values):.1f} | {p99(values):.1f} | {statistics.median(values) - direct:.1f} | "
-            f"{len(problems[name]) if name in problems else '-'} |"
+            f"{len(problems[name]) if name in problems else '-'} | "
+            f"{f'{statistics.median(cpu[name]):.2f}' if cpu[name] else '-'} |"
         )
     if any(problems.values()):
         sys.exit(f"calls were lost or mismatched: {problems}")

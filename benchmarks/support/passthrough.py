@@ -46,12 +46,13 @@ def passthrough_app(upstream: str) -> FastAPI:
 
 
 @contextmanager
-def floor(upstream: str, log: Path) -> Iterator[str]:
-    """The floor in a process of its own in front of `upstream`: its …/v1 URL; stopped afterwards."""
+def floor(upstream: str, log: Path) -> Iterator[tuple[str, int]]:
+    """The floor in a process of its own in front of `upstream`: its …/v1 URL and its process
+    id; stopped afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.support.passthrough", "--port", str(port), "--upstream", upstream]
-    with process(cmd, f"http://127.0.0.1:{port}/v1/models", log):
-        yield f"http://127.0.0.1:{port}/v1"
+    with process(cmd, f"http://127.0.0.1:{port}/v1/models", log) as proc:
+        yield f"http://127.0.0.1:{port}/v1", proc.pid
 
 
 def main() -> None:
