@@ -37,7 +37,7 @@ from proxy.errors import (
 from proxy.sessions import force_sampling, parse_key, request_key
 from proxy.settings import Settings
 from proxy.state import ProxyState
-from proxy.threads import THREADS_PER_SESSION, Answer, Plan, thread_state
+from proxy.threads import THREADS_PER_SESSION, Answer, Keys, Plan, keys_of, thread_state
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.errors import StoreError
@@ -172,6 +172,7 @@ class Call:
         self.response_id: str | None = None
         self.on_recorded: Callable[[CallRecord], None] | None = None  # called once it is committed
         self.chat_body: dict[str, Any] | None = None  # the upstream chat body, with token-in
+        self.keys: Keys | None = None  # its messages' digests, made once for the plan and the record
         self.prompt_ids: list[int] | None = None  # the prompt token-in built
         self.thread_start: str | None = None
         self.continues: dict[str, Any] | None = None  # the call and choice token-in continues
@@ -189,7 +190,10 @@ class Call:
         try:
             # A session's first call has nothing recorded to continue: no read on its hot path.
             recorded = self.recorded_threads if self.seq > 1 else None
-            plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.call_id, recorded)
+            self.keys = keys_of(body)
+            plan = await self.state.threads.plan(
+                self.upstream, self.session.id, body, self.call_id, recorded, self.keys
+            )
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
             plan = Plan(None, f"token-in could not read the request: {exc!r}")
@@ -244,7 +248,7 @@ class Call:
             messages = capture.messages()
             chosen = sorted(capture.choices.items())
             answers = [Answer(messages[i], array("i", c.token_ids), c.finish_reason) for i, c in chosen]
-            thread = thread_state(self.chat_body, answers, self.continues if token_in else None)
+            thread = thread_state(self.chat_body, answers, self.continues if token_in else None, self.keys)
         call = CallRecord(
             session_id=self.session.id,
             seq=self.seq,

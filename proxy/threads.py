@@ -74,8 +74,9 @@ def exact(message: dict[str, Any]) -> bytes:
     """A message of the history, whole: any edit of it (its whitespace, a `name`, a
     `tool_call_id`, an image part) means the model would see other tokens, so a new thread.
     Content of one text part is its text: vLLM renders the two alike, and Claude Code sends a
-    turn as a part, then as a string in its next call."""
-    canonical = _canonical(message)
+    turn as a part, then as a string in its next call. Every call digests its whole history, so
+    a message with no `cache_control` key anywhere (its JSON names none) is not copied deeply."""
+    canonical = _canonical(message) if b'"cache_control"' in orjson.dumps(message) else dict(message)
     match canonical.get("content"):
         case [{"type": "text", "text": str(text), **rest}] if not rest:
             canonical["content"] = text
@@ -151,13 +152,29 @@ def tools_key(body: dict[str, Any]) -> bytes:
     return hashlib.blake2b(fields, digest_size=16).digest()
 
 
-def thread_state(body: dict[str, Any], answers: list[Answer], continues: dict[str, Any] | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Keys:
+    """What a thread is matched on and recorded with: `exact` of each message of a chat body, and
+    its `tools_key`. Made once a call, by `Threads.plan` and the record alike."""
+
+    messages: list[bytes]
+    tools: bytes
+
+
+def keys_of(body: dict[str, Any]) -> Keys:
+    return Keys([exact(m) for m in body.get("messages") or [] if isinstance(m, dict)], tools_key(body))
+
+
+def thread_state(
+    body: dict[str, Any], answers: list[Answer], continues: dict[str, Any] | None, keys: Keys | None = None
+) -> dict[str, Any]:
     """What a call's record keeps (CallRecord.thread) for `Threads.restore`: its upstream
-    messages' and template inputs' digests, and each choice's message as the upstream answered;
-    for the session graph (recorder/graph.py), the call and choice it continues, if any."""
-    messages = [exact(m).hex() for m in body.get("messages") or [] if isinstance(m, dict)]
+    messages' and template inputs' digests (`keys`, made from `body` unless given), and each
+    choice's message as the upstream answered; for the session graph (recorder/graph.py), the
+    call and choice it continues, if any."""
+    keys = keys or keys_of(body)
     kept = [{"message": a.message, "finish_reason": a.finish_reason} for a in answers]
-    state = {"messages": messages, "tools": tools_key(body).hex(), "answers": kept}
+    state = {"messages": [m.hex() for m in keys.messages], "tools": keys.tools.hex(), "answers": kept}
     return state | ({"continues": continues} if continues else {})
 
 
@@ -235,18 +252,17 @@ class Threads:
             threads.remove(next((t for t in older if t.continued), older[0]))
         self.cache[session_id] = tuple(threads)
 
-    def _continued(self, session_id: str, messages: list[dict[str, Any]], tools: bytes) -> tuple[Thread, Answer] | str:
-        """The thread (and its answer) that `messages` continue, or why none does."""
+    def _continued(self, session_id: str, messages: list[dict[str, Any]], keys: Keys) -> tuple[Thread, Answer] | str:
+        """The thread (and its answer) that `messages` (their `keys`) continue, or why none does."""
         threads = self.cache.get(session_id)
         if not threads:
             return "first call of the session seen by this proxy"
         why = "the conversation is not a continuation of an earlier call's"
-        digests = [exact(m) for m in messages[:-1]]
         for thread in sorted(threads, key=lambda t: -len(t.messages)):
             n = len(thread.messages)
-            if len(messages) <= n + 1 or digests[:n] != thread.messages:
+            if len(messages) <= n + 1 or keys.messages[:n] != thread.messages:
                 continue
-            if thread.tools != tools:
+            if thread.tools != keys.tools:
                 why = "the tools or the chat template changed"
                 continue
             for answer in thread.answers:
@@ -268,23 +284,24 @@ class Threads:
         body: dict[str, Any],
         call_id: str = "",
         recorded: Callable[[], Awaitable[list[ThreadRecord]]] | None = None,
+        keys: Keys | None = None,
     ) -> Plan:
         """Token-in for the chat body of call `call_id` bound for `upstream`: its prompt ids, or
         why it starts a thread. A second call continuing the same answer (a retry, a fork) is told so.
         When no thread in memory continues, or the one that does leaves more than one message
         after its echo, the session's recorded threads are read back (`recorded`: one query) and
         the longest continuation is taken: another proxy served them, or this one before a
-        restart."""
+        restart. `keys`: the body's, made from it unless given."""
         messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
-        tools = tools_key(body)
-        found = self._continued(session_id, messages, tools)
+        keys = keys or keys_of(body)
+        found = self._continued(session_id, messages, keys)
         # A thread in memory that the call continues by more than one message after its echo may
         # be an older one: another proxy may have served the calls between (round robin).
         stale = not isinstance(found, str) and len(messages) > len(found[0].messages) + 2
         # Only a call that holds an assistant answer can continue a thread: no read for the others.
         read = stale or (isinstance(found, str) and any(m.get("role") == "assistant" for m in messages[:-1]))
         if read and recorded is not None and self.restore(session_id, await recorded()):
-            found = self._continued(session_id, messages, tools)
+            found = self._continued(session_id, messages, keys)
         if isinstance(found, str):
             return Plan(None, found)
         thread, answer = found

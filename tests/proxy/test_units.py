@@ -23,7 +23,7 @@ from proxy.capture import Capture, client_view
 from proxy.errors import UpstreamUnreachable
 from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
-from proxy.threads import Answer, Plan, Threads, thread_state
+from proxy.threads import Answer, Plan, Threads, exact, thread_state
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer, dtype_args
 from recorder.caches import ENTRY
@@ -339,6 +339,54 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
         threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), [*prompt, E], answers)
         assert why in str((await threads.plan(upstream, "s", follow)).why)
     assert histories == [follow["messages"][:2]]  # the answer that holds the end-of-turn token is refused first
+
+
+# Digests as stores already hold them (CallRecord.thread): a proxy that digested a message
+# otherwise would continue no thread another version recorded (a restart, another proxy).
+DIGESTS = [
+    ({"role": "user", "content": "Fix the bug in shapes/area.py."}, "76fc96a7f32e8b253c7fe1844f8fc61b"),
+    (
+        {"role": "user", "content": [{"type": "text", "text": "Fix it.", "cache_control": {"type": "ephemeral"}}]},
+        "64e697a232c34068025acef365c510fb",
+    ),
+    (
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
+            ],
+        },
+        "ebd6ed40c21b9a4e1809a38f5c33f4e8",
+    ),
+    (
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [
+                {"type": "text", "text": "a.py\nb.py"},
+                {"type": "text", "text": "ü ✓", "cache_control": {"type": "ephemeral"}},
+            ],
+        },
+        "1d747bc55d5c650beba0f545da89e823",
+    ),
+    ({"role": "system", "content": "cache_control", "name": "x"}, "f25077bad40b66c4b12fc99f58980a8c"),
+]
+
+
+@pytest.mark.parametrize("message, recorded", DIGESTS)
+def test_a_messages_digest_is_the_one_stores_hold_and_leaves_the_message_as_it_was(
+    message: dict[str, Any], recorded: str
+) -> None:
+    """Also: the same without its `cache_control` hints, and one text part as its string."""
+    sent = orjson.dumps(message)
+    assert exact(message).hex() == recorded and orjson.dumps(message) == sent
+    content = message["content"]
+    if isinstance(content, list):
+        plain = [{k: v for k, v in part.items() if k != "cache_control"} for part in content]
+        assert exact({**message, "content": plain}).hex() == recorded
+        if len(plain) == 1:
+            assert exact({**message, "content": plain[0]["text"]}).hex() == recorded
 
 
 async def _returns(value: Any) -> Any:
