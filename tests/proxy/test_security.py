@@ -167,3 +167,15 @@ def test_a_loopback_proxy_answers_only_requests_addressed_to_a_loopback_name(mak
     for own in ("localhost", "127.0.0.1", "[::1]"):
         answered = httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers={"Host": own, "x-api-key": "own"})
         assert answered.status_code == 200, (own, answered.text)
+
+
+def test_a_nul_in_the_url_is_refused_in_each_apis_shape(make_proxy: Any, stub: str) -> None:
+    """Ids, keys and labels from the URL reach text columns, which PostgreSQL keeps free of NUL."""
+    proxy = make_proxy(stub)
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 4}
+    sent = httpx.post(f"{proxy.url}/s/a%00b/v1/chat/completions", json=chat)
+    assert sent.status_code == 400 and "NUL" in sent.json()["error"]["message"], sent.text
+    messages = httpx.post(f"{proxy.url}/s/a%00b/v1/messages", json=chat)
+    assert messages.status_code == 400 and messages.json()["type"] == "error", messages.text
+    assert httpx.get(f"{proxy.url}/admin/sessions?run=%00").status_code == 400
+    assert proxy.calls() == []
