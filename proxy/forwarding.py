@@ -190,10 +190,8 @@ class Call:
         try:
             # A session's first call has nothing recorded to continue: no read on its hot path.
             recorded = self.recorded_threads if self.seq > 1 else None
-            self.keys = keys_of(body)
-            plan = await self.state.threads.plan(
-                self.upstream, self.session.id, body, self.call_id, recorded, self.keys
-            )
+            self.keys = keys = keys_of(body)
+            plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.call_id, recorded, keys)
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
             plan = Plan(None, f"token-in could not read the request: {exc!r}")
