@@ -1,8 +1,8 @@
 """Where one call's milliseconds go in rl-proxy (`make bench-profile`): one client calls the
 proxy in front of the STUB upstream (benchmarks/support/stub_upstream.py, not vLLM) answering
-at once (or after `--latency`), while py-spy samples every thread of the proxy's process; each sample goes to the part
-of its deepest frame that names one (PARTS), and a part's CPU time is divided by the calls made
-meanwhile. Timed first, in interleaved rounds: the direct call to the stub, the call through
+at once (or after `--latency`), while py-spy samples every thread of the proxy's process; each
+sample goes to the part of its deepest frame that names one (PARTS), and a part's CPU time is
+divided by the calls made meanwhile. Timed first, in interleaved rounds: the direct call to the stub, the call through
 the passthrough floor (benchmarks/support/passthrough.py: the same server stack forwarding bytes,
 recording nothing) and the call through rl-proxy.
 

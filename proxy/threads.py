@@ -155,7 +155,7 @@ def tools_key(body: dict[str, Any]) -> bytes:
 @dataclass(frozen=True)
 class Keys:
     """What a thread is matched on and recorded with: `exact` of each message of a chat body, and
-    its `tools_key`. Made once a call, by `Threads.plan` and the record alike."""
+    its `tools_key`. Made once a call (`Call.plan_prompt`), for `Threads.plan` and the record."""
 
     messages: list[bytes]
     tools: bytes
