@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from uvloop import new_event_loop
 from proxy.app import create_app
 from proxy.model import resolve_model
 from proxy.settings import Settings
-from proxy.vllm import BackendError, VllmServer, free_port
+from proxy.vllm import BackendError, VllmServer
 from recorder.schema import shown_url
 
 log = logging.getLogger("rl_proxy.server")
@@ -118,13 +119,18 @@ class AppThread:
     """An ASGI app (the proxy, or a stub upstream) served by uvicorn in a thread on a free loopback port."""
 
     def __init__(self, app: FastAPI, port: int = 0) -> None:
-        self.port = port or free_port()
+        # Bound here, not by uvicorn in its thread: the port is ours from the start, so nothing can
+        # take it between choosing it and serving on it.
+        self.socket = socket.socket()
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("127.0.0.1", port))
+        self.port = int(self.socket.getsockname()[1])
         self.server = uvicorn.Server(
-            uvicorn.Config(
-                app, "127.0.0.1", self.port, log_level="warning", access_log=False, timeout_keep_alive=KEEP_ALIVE
-            )
+            uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=KEEP_ALIVE)
         )
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn-thread", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="uvicorn-thread", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -142,3 +148,4 @@ class AppThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        self.socket.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -34,10 +35,24 @@ class BackendError(RuntimeError):
     """The vLLM server did not start, or died."""
 
 
+# Ports are chosen from 20000-32767: below the kernel's ephemeral range (32768-60999 by default),
+# whose ports it hands to every bind to port 0 and every outgoing connection's own end, so a port
+# found free there can be taken again before the server told of it binds it (it happened in CI);
+# above Ray's worker ports (10002-19999).
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, outside the ports the kernel hands out; only another caller of
+    this can take it before it is bound, and it picks at random among 12,768."""
+    for port in random.sample(PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free loopback port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 def _tail(path: Path, lines: int = 25) -> str:

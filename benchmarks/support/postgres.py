@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from proxy.vllm import free_port
 
 
 def postgres_bin() -> Path | None:
@@ -26,12 +27,6 @@ def postgres_bin() -> Path | None:
         return found[-1].parent
     initdb = shutil.which("initdb")
     return Path(initdb).parent if initdb else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -56,7 +51,7 @@ def temp_postgres(home: Path | None = None) -> Iterator[Server]:
     # PostgreSQL refuses to run as root: as root, the cluster belongs to Debian's postgres user.
     as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     home = home or Path(tempfile.mkdtemp(prefix="rlp-pg-"))
-    data, port = home / "data", _free_port()
+    data, port = home / "data", free_port()
     if as_user:
         shutil.chown(home, "postgres")
     quiet = {"check": True, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}

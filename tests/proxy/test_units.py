@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from array import array
@@ -13,19 +14,22 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import httpx
 import orjson
 import pytest
 from aiohttp import web
+from fastapi import FastAPI
 
 from benchmarks.support.samples import call
 from proxy import upstream as upstream_module
 from proxy.capture import Capture, client_view
 from proxy.errors import UpstreamUnreachable
+from proxy.server import AppThread
 from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads, exact, thread_state
 from proxy.upstream import VERSION_PATIENCE, Upstream
-from proxy.vllm import VllmServer, dtype_args
+from proxy.vllm import VllmServer, dtype_args, free_port
 from recorder.caches import ENTRY
 from recorder.records import ThreadRecord
 
@@ -487,3 +491,15 @@ def test_the_thread_cache_counts_what_its_threads_hold() -> None:
     finally:
         tracemalloc.stop()
     assert 0.85 < threads.cache.currsize / held < 1.3, (threads.cache.currsize, held)  # 1.10 here; more is safe
+
+
+def test_a_server_thread_holds_its_port_from_the_start_and_free_ports_are_not_the_kernels() -> None:
+    """A port found free and bound later can be taken in between: the kernel hands ports of its
+    ephemeral range to every bind to port 0 and every outgoing connection (a CI run failed so)."""
+    server = AppThread(FastAPI())  # made, not yet started
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", server.port))
+    with server:
+        assert httpx.get(f"{server.url}/docs").status_code == 200
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not any(low <= free_port() <= high for _ in range(50))
