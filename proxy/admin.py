@@ -49,6 +49,9 @@ class SessionCreate(BaseModel, extra="forbid"):
     sampling: Sampling | None = None
 
 
+MAX_REWARD = 1e15
+
+
 class RewardIn(BaseModel):
     value: float
     source: str = Field("admin", max_length=64, pattern=r"^[^\x00]*$")
@@ -63,8 +66,10 @@ class RewardIn(BaseModel):
     @field_validator("value")
     @classmethod
     def finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("reward must be a finite number")
+        # Bounded so that any number of them sums to a double: PostgreSQL refuses a sum past its
+        # range, and every listing of the sessions (their rewards summed) failed for good.
+        if not (math.isfinite(v) and abs(v) <= MAX_REWARD):
+            raise ValueError(f"reward must be a finite number between -{MAX_REWARD:g} and {MAX_REWARD:g}")
         return v
 
 

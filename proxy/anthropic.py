@@ -37,7 +37,7 @@ from proxy.forwarding import (
     session_for,
     upstream_chunks,
 )
-from proxy.litellm_bridge import imported, jsonable, litellm
+from proxy.litellm_bridge import imported, jsonable, litellm, refusals
 from proxy.state import ProxyState
 
 API = "anthropic.messages"
@@ -95,7 +95,7 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
             raise BadRequest(f"content blocks of type {block['type']!r} are not supported by this backend")
     try:
         chat, tool_map = _adapter().translate_completion_input_params_with_tool_mapping(copy.deepcopy(body))
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except refusals() as exc:
         raise BadRequest(f"cannot translate this Messages request: {exc}") from exc
     dropped = {name: chat.pop(name) for name in list(chat) if name not in CHAT_FIELDS}
     return jsonable(chat), tool_map, jsonable(dropped)

@@ -1,5 +1,6 @@
 """What the translating routes (anthropic.py, responses.py) share around litellm's in-process
-translators: importing litellm quietly, and turning its pydantic objects into plain JSON."""
+translators: importing litellm quietly, what its translators raise for a request they cannot
+take, and turning its pydantic objects into plain JSON."""
 
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ async def imported() -> None:
     proxy) though most never receive a Messages or Responses call."""
     if litellm.cache_info().currsize == 0:
         await asyncio.wrap_future(_importing())
+
+
+def refusals() -> tuple[type[Exception], ...]:
+    """What litellm's translators raise for a request they cannot take: Python's own errors, and
+    its BadRequestError (UnsupportedParamsError for a tool of the wrong shape, say), which the
+    routes answer as the client's error (400), not the proxy's (500). Called in an `except`
+    clause, so only once something was raised: litellm is imported by then."""
+    return (ValueError, TypeError, KeyError, AttributeError, litellm().exceptions.BadRequestError)
 
 
 def _plain(obj: Any) -> Any:

@@ -43,7 +43,7 @@ from proxy.forwarding import (
     session_for,
     upstream_chunks,
 )
-from proxy.litellm_bridge import imported, jsonable, litellm
+from proxy.litellm_bridge import imported, jsonable, litellm, refusals
 from proxy.state import ProxyState
 from recorder import SessionInfo
 
@@ -135,7 +135,7 @@ def to_chat(body: dict[str, Any], items: list[Any], stream: bool) -> dict[str, A
         chat = _config().transform_responses_api_request_to_chat_completion_request(
             model=body["model"], input=items, responses_api_request=params, stream=stream
         )
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except refusals() as exc:
         raise BadRequest(f"cannot translate this Responses request: {exc}") from exc
     return dict(jsonable(chat))
 

@@ -157,3 +157,18 @@ def test_an_episode_ends_with_a_typed_outcome_and_refuses_another_shape(make_pro
     ended = httpx.post(f"{proxy.url}/admin/sessions/{sid}/end", json={"status": "ok", "outcome": outcome}).json()
     assert ended["status"] == "ok" and ended["outcome"]["parts"] == outcome["parts"]
     assert ended["sampling"] == {"temperature": 0.0, "top_p": None, "top_k": None, "seed": None, "tool_choice": None}
+
+
+def test_rewards_whose_sum_a_store_cannot_hold_are_a_400_and_the_sessions_still_list(
+    make_proxy: Any, stub: str, db: str
+) -> None:
+    """Two rewards of 1.7e308 summed past a double's range: PostgreSQL then refused every listing
+    of the sessions with "value out of range" (503), for good (`make soak`'s fuzz found it)."""
+    proxy = make_proxy(stub, db=db)
+    sid = httpx.post(f"{proxy.url}/admin/sessions", json={}).json()["id"]
+    assert httpx.post(f"{proxy.url}/admin/sessions/{sid}/reward", json={"value": 1e15}).status_code == 200
+    for value in (1.7976931348623157e308, -1e16):
+        refused = httpx.post(f"{proxy.url}/admin/sessions/{sid}/reward", json={"value": value})
+        assert refused.status_code == 400 and "value" in refused.json()["error"]["message"]
+    assert httpx.get(f"{proxy.url}/admin/sessions/{sid}").json()["reward"] == 1e15
+    assert httpx.get(f"{proxy.url}/admin/sessions").status_code == 200

@@ -112,6 +112,15 @@ def test_any_session_key_parses_to_a_storable_session_or_a_400(key: str) -> None
         assert key not in info.id
 
 
+def test_a_tool_that_litellm_refuses_is_a_400() -> None:
+    """litellm's translator raises its own UnsupportedParamsError for a tool of the wrong shape
+    (`make soak`'s fuzz found the 500)."""
+    ask = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    for tool in ({"function": ["x"]}, {"eager_input_streaming": "yes"}):
+        with pytest.raises(BadRequest, match="cannot translate"):
+            to_chat(ask | {"tools": [{"name": "t", "input_schema": {"type": "object"}, **tool}]})
+
+
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]), "content": JSON}
 )
