@@ -22,9 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
+from uvloop import new_event_loop
 
 from benchmarks.support.passthrough import floor
 from benchmarks.support.stack import process
@@ -101,6 +103,21 @@ def _part(frames: list[str]) -> str:
     return PARTS[-1][0]
 
 
+async def thread_hops(gap: float, count: int = 200) -> float:
+    """The median microseconds of a hop to a worker thread and back, as the writer's durable
+    commit takes one (recorder/writer.py), each after `gap` seconds idle: an idle thread's CPU
+    may have to be woken."""
+    loop, worker = asyncio.get_running_loop(), ThreadPoolExecutor(1)
+    took = []
+    for _ in range(count):
+        await asyncio.sleep(gap)
+        start = time.perf_counter()
+        await loop.run_in_executor(worker, int)
+        took.append((time.perf_counter() - start) * 1e6)
+    worker.shutdown()
+    return statistics.median(took)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="how long py-spy samples each shape")
@@ -156,6 +173,11 @@ def main() -> None:
         for name, ms in parts:
             print(f"| {name} | {ms:.3f} |")
         print(f"| all | {sum(ms for _, ms in parts):.3f} |")
+    hops = [new_event_loop().run_until_complete(thread_hops(gap)) for gap in (0.0, max(args.latency, 0.05))]
+    print(
+        f"\nA hop to a worker thread and back (the durable commit's, on the writer's thread), median of "
+        f"200: {hops[0]:.0f} us back to back, {hops[1]:.0f} us after {max(args.latency, 0.05) * 1000:g} ms idle"
+    )
 
 
 if __name__ == "__main__":
