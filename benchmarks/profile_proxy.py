@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
-from uvloop import new_event_loop
+import uvloop
 
 from benchmarks.support.passthrough import floor
 from benchmarks.support.stack import process
@@ -173,7 +173,7 @@ def main() -> None:
         for name, ms in parts:
             print(f"| {name} | {ms:.3f} |")
         print(f"| all | {sum(ms for _, ms in parts):.3f} |")
-    hops = [new_event_loop().run_until_complete(thread_hops(gap)) for gap in (0.0, max(args.latency, 0.05))]
+    hops = [uvloop.run(thread_hops(gap)) for gap in (0.0, max(args.latency, 0.05))]
     print(
         f"\nA hop to a worker thread and back (the durable commit's, on the writer's thread), median of "
         f"200: {hops[0]:.0f} us back to back, {hops[1]:.0f} us after {max(args.latency, 0.05) * 1000:g} ms idle"
