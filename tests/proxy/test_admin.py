@@ -162,7 +162,7 @@ def test_an_episode_ends_with_a_typed_outcome_and_refuses_another_shape(make_pro
 def test_rewards_whose_sum_a_store_cannot_hold_are_a_400_and_the_sessions_still_list(
     make_proxy: Any, stub: str, db: str
 ) -> None:
-    """Two rewards of 1.7e308 summed past a double's range: PostgreSQL then refused every listing
+    """Two rewards of 1.8e308 summed past a double's range: PostgreSQL then refused every listing
     of the sessions with "value out of range" (503), for good (`make soak`'s fuzz found it)."""
     proxy = make_proxy(stub, db=db)
     sid = httpx.post(f"{proxy.url}/admin/sessions", json={}).json()["id"]
