@@ -53,27 +53,40 @@ def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> li
 
 def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     """Calls/s recorded into each store at `sessions` clients, the latency the proxy adds over a
-    direct call to the stub, and the CPU its process spends a call; rounds alternate between
-    targets against machine noise. Beside them the passthrough floor
-    (benchmarks/support/passthrough.py: the same HTTP server and client, recording nothing): the
-    most a proxy in one process of this stack can pass."""
+    direct call to the stub, and the CPU its process spends a call (and of it, its main thread's:
+    the event loop's); rounds alternate between targets against machine noise. Beside them the
+    passthrough floor (benchmarks/support/passthrough.py: the same HTTP server and client,
+    recording nothing), the most a proxy in one process of this stack can pass, and rl-proxy in
+    messages mode (no token-in), what token-in costs."""
     import psutil  # vLLM's dependency
 
-    samples: dict[str, list[Load]] = {"direct": [], "passthrough": [], "sqlite": [], "postgresql": []}
-    cpu: dict[str, list[float]] = {name: [] for name in samples}  # ms of the server's process a call
+    def seconds_of(server: psutil.Process) -> tuple[float, float]:
+        """CPU seconds of the process, and of its main thread (whose id is the process's)."""
+        loop = next(t for t in server.threads() if t.id == server.pid)
+        return sum(server.cpu_times()[:2]), loop.user_time + loop.system_time
+
+    proxies = ("sqlite", "sqlite-messages", "postgresql")
+    samples: dict[str, list[Load]] = {name: [] for name in ("direct", "passthrough", *proxies)}
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in samples}  # ms a call: process, loop
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
+        dbs["sqlite-messages"] = str(Path(tempfile.mkdtemp()) / "messages.db")
         bases: dict[str, tuple[str, psutil.Process | None]] = {"direct": (upstream, None)}
         passthrough, pid = running.enter_context(floor(upstream, Path(tempfile.mkdtemp()) / "floor.log"))
         bases["passthrough"] = (passthrough, psutil.Process(pid))
-        for kind, db in dbs.items():
-            base, pid = running.enter_context(proxy(upstream, db, Path(tempfile.mkdtemp()) / "proxy.log"))
+        for kind in proxies:
+            options = ("--messages-mode",) if kind.endswith("messages") else ()
+            log = Path(tempfile.mkdtemp()) / "proxy.log"
+            base, pid = running.enter_context(proxy(upstream, dbs[kind], log, *options))
             bases[kind] = (base, psutil.Process(pid))
         for round_ in range(rounds):
             for name, (base, server) in bases.items():
-                before = sum(server.cpu_times()[:2]) if server else 0.0
+                before = seconds_of(server) if server else (0.0, 0.0)
                 load = asyncio.run(run_load(base, sessions, seconds, ("chat",), None))
                 if server:
-                    cpu[name].append((sum(server.cpu_times()[:2]) - before) * 1000 / len(load.answered))
+                    process, loop = (
+                        1000 * (a - b) / len(load.answered) for a, b in zip(seconds_of(server), before, strict=True)
+                    )
+                    cpu[name].append((process, loop))
                 samples[name].append(load)
             print(f"  round {round_ + 1}/{rounds} done", file=sys.stderr)
         problems = {kind: [p for load in samples[kind] for p in verify(db, load)] for kind, db in dbs.items()}
@@ -81,14 +94,19 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     print(
         f"\nCalls recorded per second at {sessions} concurrent clients, multi-turn chat (stub upstream: "
         f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s); the last "
-        "column is the CPU time (user and system) of the server's process a call, median of the rounds\n"
+        "columns are the CPU time (user and system) of the server's process a call, and of its event "
+        "loop's thread, medians of the rounds\n"
     )
     print(
         "| target | calls/s (median of rounds; x direct) | latency median ms | p99 ms | added median ms"
-        " | lost or mismatched | CPU ms a call |"
+        " | lost or mismatched | CPU ms a call | of it, the event loop's |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    names = {"direct": "direct (the stub alone)", "passthrough": "the passthrough floor (records nothing)"}
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    names = {
+        "direct": "direct (the stub alone)",
+        "passthrough": "the passthrough floor (records nothing)",
+        "sqlite-messages": "rl-proxy + sqlite, messages mode (no token-in)",
+    }
     rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}
     for name, loads in samples.items():
         values = [x for load in loads for x in load.latencies]
@@ -96,7 +114,12 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
             f"| {names.get(name, f'rl-proxy + {name}')} | {rate[name]:.0f} ({rate[name] / rate['direct']:.2f}x) | "
             f"{statistics.median(values):.1f} | {p99(values):.1f} | {statistics.median(values) - direct:.1f} | "
             f"{len(problems[name]) if name in problems else '-'} | "
-            f"{f'{statistics.median(cpu[name]):.2f}' if cpu[name] else '-'} |"
+            + (
+                " | ".join(f"{statistics.median(c[i] for c in cpu[name]):.2f}" for i in (0, 1))
+                if cpu[name]
+                else "- | -"
+            )
+            + " |"
         )
     if any(problems.values()):
         sys.exit(f"calls were lost or mismatched: {problems}")

@@ -218,9 +218,11 @@ def stack(stores: list[str], latency: float) -> Iterator[tuple[str, dict[str, st
 
 
 @contextmanager
-def proxy(upstream: str, db: str, log: Path) -> Iterator[tuple[str, int]]:
+def proxy(upstream: str, db: str, log: Path, *options: str) -> Iterator[tuple[str, int]]:
+    """`rl-proxy serve` in front of `upstream` (with `options`, say --messages-mode), warmed up."""
     port = free_port()
-    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream, "--db", db, "--port", str(port)]
+    serve = ["serve", "--upstream", upstream, "--db", db, "--port", str(port), *options]
+    cmd = [sys.executable, "-m", "proxy.cli", *serve]
     with process(cmd, f"http://127.0.0.1:{port}/healthz", log) as proc:
         base = f"http://127.0.0.1:{port}/v1"
         # A call of each kind first: the first Messages or Responses call loads litellm's
