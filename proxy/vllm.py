@@ -40,12 +40,13 @@ class BackendError(RuntimeError):
 # found free there can be taken again before the server told of it binds it (it happened in CI);
 # above Ray's worker ports (10002-19999).
 PORTS = range(20000, 32768)
+_PICK = random.SystemRandom()  # the OS's randomness: a run that seeds `random` (the trainer does) must not repeat picks
 
 
 def free_port() -> int:
     """A loopback port free now, outside the ports the kernel hands out; only another caller of
     this can take it before it is bound, and it picks at random among 12,768."""
-    for port in random.sample(PORTS, 200):
+    for port in _PICK.sample(PORTS, 200):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

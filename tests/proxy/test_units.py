@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import threading
 import time
@@ -503,3 +504,8 @@ def test_a_server_thread_holds_its_port_from_the_start_and_free_ports_are_not_th
         assert httpx.get(f"{server.url}/docs").status_code == 200
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert not any(low <= free_port() <= high for _ in range(50))
+    picks = []
+    for _ in range(2):  # two test workers that seed `random` alike (the trainer's runs do) pick apart
+        random.seed(0)
+        picks.append([free_port() for _ in range(3)])
+    assert picks[0] != picks[1]
