@@ -2,9 +2,10 @@
 proxy in front of the STUB upstream (benchmarks/support/stub_upstream.py, not vLLM) answering
 at once (or after `--latency`), while py-spy samples every thread of the proxy's process; each
 sample goes to the part of its deepest frame that names one (PARTS), and a part's CPU time is
-divided by the calls made meanwhile. Timed first, in interleaved rounds: the direct call to the stub, the call through
-the passthrough floor (benchmarks/support/passthrough.py: the same server stack forwarding bytes,
-recording nothing) and the call through rl-proxy.
+divided by the calls made meanwhile. Timed first, in interleaved rounds: the direct call to the
+stub, the call through the passthrough floor (benchmarks/support/passthrough.py: the same server
+stack forwarding bytes, recording nothing) and the call through rl-proxy. Last, what a hop to a
+worker thread and back costs, back to back and after an idle gap.
 
 Two shapes of call: `new` (one user message, a new thread in one session: what the overhead
 benchmark sends) and `continuing` (conversations of 8 calls, each continuing the thread of the one
@@ -173,10 +174,11 @@ def main() -> None:
         for name, ms in parts:
             print(f"| {name} | {ms:.3f} |")
         print(f"| all | {sum(ms for _, ms in parts):.3f} |")
-    hops = [uvloop.run(thread_hops(gap)) for gap in (0.0, max(args.latency, 0.05))]
+    idle = max(args.latency, 0.05)
+    hops = [uvloop.run(thread_hops(gap)) for gap in (0.0, idle)]
     print(
         f"\nA hop to a worker thread and back (the durable commit's, on the writer's thread), median of "
-        f"200: {hops[0]:.0f} us back to back, {hops[1]:.0f} us after {max(args.latency, 0.05) * 1000:g} ms idle"
+        f"200: {hops[0]:.0f} us back to back, {hops[1]:.0f} us after {idle * 1000:g} ms idle"
     )
 
 
