@@ -14,6 +14,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
+from proxy import heap
+
 
 @cache
 def litellm() -> Any:
@@ -33,7 +35,9 @@ def _importing() -> Future[Any]:
 
     def run() -> None:
         try:
-            done.set_result(litellm())
+            imported = litellm()
+            heap.resettle()  # its objects out of the collections, as those of the start-up
+            done.set_result(imported)
         except BaseException as exc:
             done.set_exception(exc)
 

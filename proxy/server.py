@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvloop import new_event_loop
 
+from proxy import heap
 from proxy.app import create_app
 from proxy.model import resolve_model
 from proxy.settings import Settings
@@ -110,6 +111,7 @@ def run(settings: Settings) -> int:
         print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {shown}; db {shown_url(settings.db)}")
         # uvloop, as uvicorn picks when it runs the loop itself (AppThread): asyncio's own loop
         # costs more a call (docs/benchmarks.md, "Where the milliseconds go").
+        heap.settle()
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(main())
         return 1 if died else 0

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from array import array
@@ -22,6 +24,7 @@ from aiohttp import web
 from fastapi import FastAPI
 
 from benchmarks.support.samples import call
+from proxy import heap
 from proxy import upstream as upstream_module
 from proxy.capture import Capture, client_view
 from proxy.errors import UpstreamUnreachable
@@ -509,3 +512,22 @@ def test_a_server_thread_holds_its_port_from_the_start_and_free_ports_are_not_th
         random.seed(0)
         picks.append([free_port() for _ in range(3)])
     assert picks[0] != picks[1]
+
+
+def test_settling_the_heap_freezes_what_lives_and_collects_the_young_less_often() -> None:
+    """`rl-proxy serve` settles its heap before it serves (proxy/heap.py): at Python's defaults the
+    collector walked every object of the start-up about once a second under load. In a process
+    that never settled (a test's, the demo's), `resettle` after litellm's import changes nothing.
+    In a process of its own: freezing is for the whole process."""
+    script = (
+        "import gc, json\n"
+        "from proxy import heap\n"
+        "heap.resettle()\n"
+        "before = [gc.get_freeze_count(), gc.get_threshold()[0]]\n"
+        "heap.settle()\n"
+        "print(json.dumps([before, [gc.get_freeze_count(), gc.get_threshold()[0]]]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    before, after = orjson.loads(done.stdout.splitlines()[-1])
+    assert before == [0, 700]
+    assert after[0] > 1_000 and after[1] == heap.YOUNG  # every object of the imports frozen
