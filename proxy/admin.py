@@ -11,6 +11,7 @@ import ipaddress
 import math
 import secrets
 import uuid
+from functools import lru_cache
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
@@ -134,9 +135,14 @@ def check_admin(request: Request, settings: Settings, basic: bool = False) -> No
 
 
 def addressed_to_loopback(request: Request) -> bool:
-    """Whether a request names this machine's loopback in its Host: `localhost` or a loopback
-    address (a web page whose own name rebinds to 127.0.0.1 names itself)."""
-    host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
+    return names_loopback(request.headers.get("host", ""))
+
+
+@lru_cache(maxsize=256)  # asked on every model call, of the few Host values clients send
+def names_loopback(host_header: str) -> bool:
+    """Whether a Host header names this machine's loopback: `localhost` or a loopback address
+    (a web page whose own name rebinds to 127.0.0.1 names itself)."""
+    host = urlsplit("//" + host_header).hostname or ""
     return host == "localhost" or is_loopback(host)
 
 

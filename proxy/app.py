@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.admin import addressed_to_loopback, admin, ops
+from proxy.admin import admin, names_loopback, ops
 from proxy.anthropic import router as anthropic_router
-from proxy.errors import BadRequest, Forbidden, install_handlers
+from proxy.errors import BadRequest, Forbidden, ProxyError, install_handlers, refusal
 from proxy.openai_api import router
 from proxy.responses import router as responses_router
 from proxy.settings import LOOPBACK, Settings
@@ -41,7 +42,8 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             await upstreams.close()
             await store.close()
 
-    app = FastAPI(title="rl-proxy", lifespan=lifespan, dependencies=[Depends(no_nul), Depends(own_host)])
+    app = FastAPI(title="rl-proxy", lifespan=lifespan)
+    app.add_middleware(Guard, loopback_only=settings.host in LOOPBACK)
     mib = 2**20
     app.state.rlp = ProxyState(
         settings,
@@ -60,21 +62,38 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     return app
 
 
-async def no_nul(request: Request) -> None:
-    """Ids, keys and labels from the URL end up in text columns, and PostgreSQL's refuse NUL."""
-    if "\x00" in request.url.path or b"%00" in request.scope["query_string"]:
-        raise BadRequest("the URL contains a NUL character")
+class Guard:
+    """What every request is refused for before its route, in the API's error shape. A plain ASGI
+    middleware: as FastAPI dependencies of the app the two checks cost every model call about
+    0.08 ms of the event loop's thread (py-spy, docs/benchmarks.md).
 
+    - A NUL in the URL: ids, keys and labels from it end up in text columns, and PostgreSQL's
+      refuse NUL.
+    - A proxy bound to a loopback address answers requests addressed to a loopback name only: a
+      web page whose name rebinds to 127.0.0.1 could otherwise POST JSON to its model routes (DNS
+      rebinding; the admin routes check the same). Bound elsewhere, any name may reach it."""
 
-async def own_host(request: Request) -> None:
-    """A proxy bound to a loopback address answers requests addressed to a loopback name only:
-    a web page whose name rebinds to 127.0.0.1 could otherwise POST JSON to its model routes
-    (DNS rebinding; the admin routes check the same). Bound elsewhere, any name may reach it."""
-    if request.app.state.rlp.settings.host not in LOOPBACK:
-        return
-    if not addressed_to_loopback(request):
-        raise Forbidden(
+    def __init__(self, app: ASGIApp, loopback_only: bool) -> None:
+        self.app = app
+        self.loopback_only = loopback_only
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self.refused(scope)
+            if refused is not None:
+                await refusal(scope["path"], refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refused(self, scope: Scope) -> ProxyError | None:
+        if "\x00" in scope["path"] or b"%00" in scope["query_string"]:
+            return BadRequest("the URL contains a NUL character")
+        if not self.loopback_only:
+            return None
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+        if names_loopback(host):
+            return None
+        return Forbidden(
             f"this proxy listens on a loopback address and answers requests addressed to it by a "
-            f"loopback name only, not {request.headers.get('host', '')[:64]!r} (bind it with --host "
-            "to be reached by other names)"
+            f"loopback name only, not {host[:64]!r} (bind it with --host to be reached by other names)"
         )

@@ -137,18 +137,29 @@ def anthropic_error_body(status: int, message: str) -> dict:
 def _answer(
     request: Request, status: int, message: str, type_: str, code: str | int | None = None, param: str | None = None
 ) -> Response:
-    if "/messages" in request.url.path:
+    return _answer_at(request.url.path, status, message, type_, code, param)
+
+
+def _answer_at(
+    path: str, status: int, message: str, type_: str, code: str | int | None = None, param: str | None = None
+) -> Response:
+    if "/messages" in path:
         return json_response(anthropic_error_body(status, message), status)
     return json_response(error_body(message, type_, code, param), status)
+
+
+def refusal(path: str, exc: ProxyError) -> Response:
+    """A ProxyError as the API at `path` answers it."""
+    response = _answer_at(path, exc.status, exc.message, exc.type, exc.code, exc.param)
+    if isinstance(exc, BodyTimeout):  # the rest of its body may still come: not a new request
+        response.headers["connection"] = "close"
+    return response
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> Response:
-        response = _answer(request, exc.status, exc.message, exc.type, exc.code, exc.param)
-        if isinstance(exc, BodyTimeout):  # the rest of its body may still come: not a new request
-            response.headers["connection"] = "close"
-        return response
+        return refusal(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
