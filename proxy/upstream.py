@@ -110,6 +110,9 @@ class Upstream:
                 # Below uvicorn's 5 s (vLLM's server): an idle connection is dropped here before
                 # the server closes it under a request being sent.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
+                # No cookies: one session carries every rl-proxy session's calls, so an upstream's
+                # cookie would pass from one to the next; and filtering a jar costs each request.
+                cookie_jar=aiohttp.DummyCookieJar(),
                 read_bufsize=MAX_LINE,
                 max_line_size=MAX_LINE,
                 max_field_size=MAX_LINE,

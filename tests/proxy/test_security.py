@@ -108,6 +108,32 @@ def test_credentials_in_headers_are_never_stored(make_proxy: Any, db: str) -> No
         assert secret not in stored and secret[-24:] not in stored
 
 
+def test_an_upstreams_cookie_does_not_pass_from_one_session_to_the_next(make_proxy: Any) -> None:
+    """One HTTP client carries every session's calls upstream: a cookie an upstream (or a load
+    balancer before it) set on one session's answer went with the next session's calls."""
+    inner = stub_app()
+    cookies: list[bytes | None] = []
+
+    async def setting_cookies(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await inner(scope, receive, send)
+        cookies.append(dict(scope["headers"]).get(b"cookie"))
+
+        async def with_cookie(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (b"set-cookie", b"route=victim; Path=/")]}
+            await send(message)
+
+        return await inner(scope, receive, with_cookie)
+
+    with AppThread(setting_cookies) as upstream:  # type: ignore[arg-type]
+        proxy = make_proxy(f"http://localhost:{upstream.port}/v1")  # a name: cookies of IP addresses are kept by none
+        for key in ("victim", "next"):
+            chat = {"model": MODEL, "messages": HI, "max_tokens": 4}
+            assert httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers={"x-api-key": key}).status_code == 200
+    assert len(cookies) >= 2 and cookies == [None] * len(cookies)
+
+
 def test_settings_default_to_loopback_and_a_body_limit() -> None:
     settings = Settings(upstream="http://127.0.0.1:1/v1")
     assert settings.host == "127.0.0.1" and settings.admin_open
