@@ -64,8 +64,8 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
 
 class Guard:
     """What every request is refused for before its route, in the API's error shape. A plain ASGI
-    middleware: as FastAPI dependencies of the app the two checks cost every model call about
-    0.08 ms of the event loop's thread (py-spy, docs/benchmarks.md).
+    middleware: as FastAPI dependencies of the app the two checks cost every model call
+    0.08-0.16 ms of the event loop's thread (py-spy, docs/benchmarks.md).
 
     - A NUL in the URL: ids, keys and labels from it end up in text columns, and PostgreSQL's
       refuse NUL.

@@ -135,12 +135,6 @@ def anthropic_error_body(status: int, message: str) -> dict:
 
 
 def _answer(
-    request: Request, status: int, message: str, type_: str, code: str | int | None = None, param: str | None = None
-) -> Response:
-    return _answer_at(request.url.path, status, message, type_, code, param)
-
-
-def _answer_at(
     path: str, status: int, message: str, type_: str, code: str | int | None = None, param: str | None = None
 ) -> Response:
     if "/messages" in path:
@@ -150,7 +144,7 @@ def _answer_at(
 
 def refusal(path: str, exc: ProxyError) -> Response:
     """A ProxyError as the API at `path` answers it."""
-    response = _answer_at(path, exc.status, exc.message, exc.type, exc.code, exc.param)
+    response = _answer(path, exc.status, exc.message, exc.type, exc.code, exc.param)
     if isinstance(exc, BodyTimeout):  # the rest of its body may still come: not a new request
         response.headers["connection"] = "close"
     return response
@@ -166,24 +160,24 @@ def install_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
-        return _answer(request, 400, message, "invalid_request_error", param=where or None)
+        return _answer(request.url.path, 400, message, "invalid_request_error", param=where or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _answer(request, exc.status_code, str(exc.detail), kind)
+        return _answer(request.url.path, exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(StoreValueError)
     async def unstorable(request: Request, exc: StoreValueError) -> Response:
-        return _answer(request, 400, f"a value the store cannot hold: {exc}", "invalid_request_error")
+        return _answer(request.url.path, 400, f"a value the store cannot hold: {exc}", "invalid_request_error")
 
     @app.exception_handler(StoreError)
     async def store_down(request: Request, exc: StoreError) -> Response:
         log.error("store error on %s %s: %s", request.method, request.url.path, exc)
         message = f"the store is unavailable: {exc}"
-        return _answer(request, 503, message, StoreUnavailable.type, StoreUnavailable.code)
+        return _answer(request.url.path, 503, message, StoreUnavailable.type, StoreUnavailable.code)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _answer(request, 500, f"internal proxy error ({type(exc).__name__})", "internal_error")
+        return _answer(request.url.path, 500, f"internal proxy error ({type(exc).__name__})", "internal_error")
