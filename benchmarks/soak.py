@@ -108,18 +108,17 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         "sqlite-messages": "rl-proxy + sqlite, messages mode (no token-in)",
     }
     rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}
+
+    def cpu_cells(rounds: list[tuple[float, float]]) -> str:
+        """The process's and the loop's CPU ms a call, medians of the rounds ("-" for the stub)."""
+        return " | ".join(f"{statistics.median(r[i] for r in rounds):.2f}" if rounds else "-" for i in (0, 1))
+
     for name, loads in samples.items():
         values = [x for load in loads for x in load.latencies]
         print(
             f"| {names.get(name, f'rl-proxy + {name}')} | {rate[name]:.0f} ({rate[name] / rate['direct']:.2f}x) | "
             f"{statistics.median(values):.1f} | {p99(values):.1f} | {statistics.median(values) - direct:.1f} | "
-            f"{len(problems[name]) if name in problems else '-'} | "
-            + (
-                " | ".join(f"{statistics.median(c[i] for c in cpu[name]):.2f}" for i in (0, 1))
-                if cpu[name]
-                else "- | -"
-            )
-            + " |"
+            f"{len(problems[name]) if name in problems else '-'} | {cpu_cells(cpu[name])} |"
         )
     if any(problems.values()):
         sys.exit(f"calls were lost or mismatched: {problems}")

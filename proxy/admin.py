@@ -112,7 +112,8 @@ def check_admin(request: Request, settings: Settings, basic: bool = False) -> No
                 f"Sec-Fetch-Site {site!r})"
             )
     forwarded = any(name in request.headers for name in FORWARDING_HEADERS)
-    local = request.client is not None and is_loopback(request.client.host) and addressed_to_loopback(request)
+    addressed = names_loopback(request.headers.get("host", ""))
+    local = request.client is not None and is_loopback(request.client.host) and addressed
     if settings.admin_open and local and not forwarded:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -132,10 +133,6 @@ def check_admin(request: Request, settings: Settings, basic: bool = False) -> No
     # As bytes: a header is read as latin-1, and compare_digest refuses non-ASCII text (a 500).
     if not secrets.compare_digest(token.strip().encode("latin-1"), settings.admin_token.encode()):
         raise Unauthorized("wrong admin token")
-
-
-def addressed_to_loopback(request: Request) -> bool:
-    return names_loopback(request.headers.get("host", ""))
 
 
 @lru_cache(maxsize=256)  # asked on every model call, of the few Host values clients send

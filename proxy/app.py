@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.admin import admin, names_loopback, ops
@@ -90,7 +91,7 @@ class Guard:
             return BadRequest("the URL contains a NUL character")
         if not self.loopback_only:
             return None
-        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+        host = Headers(scope=scope).get("host", "")
         if names_loopback(host):
             return None
         return Forbidden(

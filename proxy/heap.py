@@ -16,21 +16,20 @@ import gc
 # A young collection once this many tracked objects more are alive than at the last one (Python's
 # default is 700): 64 calls in flight hold a few thousand between them, most freed before it runs.
 YOUNG = 10_000
-_settled = False
 
 
 def settle() -> None:
     """Collect once, leave every object alive now out of all later collections (`gc.freeze`),
     and collect the young less often. `rl-proxy serve` calls it before it serves."""
-    global _settled
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG)  # the older generations' as they were
-    _settled = True
 
 
 def resettle() -> None:
-    """`settle` again after a large import, in a process that settled once (`rl-proxy serve`;
-    not a test's or the demo's, whose collector stays as Python sets it)."""
-    if _settled:
+    """`settle` again after a large import, in a process that froze its heap before
+    (`rl-proxy serve`; not a test's or the demo's, whose collector stays as Python sets it). The
+    calls in flight wait for its one collection, once, as the first translating call waits
+    seconds for the import."""
+    if gc.get_freeze_count():
         settle()

@@ -109,9 +109,9 @@ def run(settings: Settings) -> int:
 
         shown = ", ".join(u.base_url for u in app.state.rlp.upstreams.members)  # without credentials
         print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {shown}; db {shown_url(settings.db)}")
+        heap.settle()
         # uvloop, as uvicorn picks when it runs the loop itself (AppThread): asyncio's own loop
         # costs more a call (docs/benchmarks.md, "Where the milliseconds go").
-        heap.settle()
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(main())
         return 1 if died else 0

@@ -127,7 +127,8 @@ def test_an_upstreams_cookie_does_not_pass_from_one_session_to_the_next(make_pro
         return await inner(scope, receive, with_cookie)
 
     with AppThread(setting_cookies) as upstream:  # type: ignore[arg-type]
-        proxy = make_proxy(f"http://localhost:{upstream.port}/v1")  # a name: cookies of IP addresses are kept by none
+        # By name: aiohttp's jar keeps no cookie of an IP address.
+        proxy = make_proxy(f"http://localhost:{upstream.port}/v1")
         for key in ("victim", "next"):
             chat = {"model": MODEL, "messages": HI, "max_tokens": 4}
             assert httpx.post(f"{proxy.v1}/chat/completions", json=chat, headers={"x-api-key": key}).status_code == 200
