@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.support.load import KINDS, Load, p99, proxy, run_load, stack, verify
 from benchmarks.support.passthrough import floor
+from benchmarks.support.stack import new_database
 
 
 def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> list[dict[str, Any]]:
@@ -56,8 +57,10 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     direct call to the stub, and the CPU its process spends a call (and of it, its main thread's:
     the event loop's); rounds alternate between targets against machine noise. Beside them the
     passthrough floor (benchmarks/support/passthrough.py: the same HTTP server and client,
-    recording nothing), the most a proxy in one process of this stack can pass, and rl-proxy in
-    messages mode (no token-in), what token-in costs."""
+    recording nothing), the most a proxy in one process of this stack can pass, the recording
+    floor on each store (the same, and each call recorded through the recorder's Store before it
+    is answered, and nothing else: the most a proxy of this stack that records durably can
+    pass), and rl-proxy in messages mode (no token-in), what token-in costs."""
     import psutil  # vLLM's dependency
 
     def seconds_of(server: psutil.Process) -> tuple[float, float]:
@@ -66,13 +69,18 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         return sum(server.cpu_times()[:2]), loop.user_time + loop.system_time
 
     proxies = ("sqlite", "sqlite-messages", "postgresql")
-    samples: dict[str, list[Load]] = {name: [] for name in ("direct", "passthrough", *proxies)}
+    floors = ("passthrough", "recording-sqlite", "recording-postgresql")
+    samples: dict[str, list[Load]] = {name: [] for name in ("direct", *floors, *proxies)}
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in samples}  # ms a call: process, loop
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
         dbs["sqlite-messages"] = str(Path(tempfile.mkdtemp()) / "messages.db")
+        dbs["recording-sqlite"] = str(Path(tempfile.mkdtemp()) / "floor.db")
+        dbs["recording-postgresql"] = new_database(dbs["postgresql"])  # another, on the same server
         bases: dict[str, tuple[str, psutil.Process | None]] = {"direct": (upstream, None)}
-        passthrough, pid = running.enter_context(floor(upstream, Path(tempfile.mkdtemp()) / "floor.log"))
-        bases["passthrough"] = (passthrough, psutil.Process(pid))
+        for name in floors:
+            db = dbs.get(name)
+            base, pid = running.enter_context(floor(upstream, Path(tempfile.mkdtemp()) / "floor.log", db))
+            bases[name] = (base, psutil.Process(pid))
         for kind in proxies:
             options = ("--messages-mode",) if kind.endswith("messages") else ()
             log = Path(tempfile.mkdtemp()) / "proxy.log"
@@ -105,6 +113,8 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     names = {
         "direct": "direct (the stub alone)",
         "passthrough": "the passthrough floor (records nothing)",
+        "recording-sqlite": "the recording floor + sqlite (records, nothing else)",
+        "recording-postgresql": "the recording floor + postgresql",
         "sqlite-messages": "rl-proxy + sqlite, messages mode (no token-in)",
     }
     rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}

@@ -2,6 +2,13 @@
 uvloop, FastAPI and one aiohttp session to the upstream, forwarding a chat call's body and answer
 as bytes, recording nothing, translating nothing. benchmarks/profile_proxy.py times it beside
 rl-proxy: what rl-proxy adds above it is its own work.
+
+With `--db`, the recording floor: the same, and each call recorded through the recorder's own
+Store (the writer, its batches and its durable commit) before the answer is sent, with the least
+a recording needs: the upstream asked for token ids and logprobs, its answer parsed, one
+CallRecord of the prompt and sampled ids. No validation, sessions held in a dict, no token-in,
+no translation: what any proxy of this stack that records each call durably costs at least
+(`python -m benchmarks.soak --bench`).
 Run alone: python -m benchmarks.support.passthrough --port 9001 --upstream http://127.0.0.1:9000/v1
 """
 
@@ -12,22 +19,53 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from benchmarks.support.stack import process
+from proxy import heap
 from proxy.vllm import free_port
+from recorder import CallRecord, SessionInfo, Store
+from recorder.records import Completion
+from recorder.store import utcnow
 
 
-def passthrough_app(upstream: str) -> FastAPI:
+def passthrough_app(upstream: str, db: str | None = None) -> FastAPI:
+    store = Store(db) if db else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if store is not None:
+            await store.open()
         async with aiohttp.ClientSession() as app.state.session:
             yield
+        if store is not None:
+            await store.close()
 
     app = FastAPI(lifespan=lifespan)
+    sessions: dict[str, list[Any]] = {}  # key: [its session's id, its last call's number]
+
+    async def record(key: str, body: dict[str, Any], answer: dict[str, Any], started: Any) -> None:
+        assert store is not None
+        if key not in sessions:
+            sessions[key] = [(await store.resolve_session(SessionInfo(id=key, key=key))).id, 0]
+        sessions[key][1] += 1
+        choices = answer["choices"]
+        completions = [
+            Completion(c["index"], c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]], c["finish_reason"])
+            for c in choices
+        ]
+        call = CallRecord(
+            session_id=sessions[key][0], seq=sessions[key][1], api="chat.completions", model=body["model"],
+            upstream=upstream, stream=False, request=body, response=answer, ok=True, http_status=200, error=None,
+            prompt_token_ids=answer["prompt_token_ids"], completions=completions, policy_version=None,
+            policy_version_end=None, started_at=started, finished_at=utcnow(),
+        )  # fmt: skip
+        await store.record(call)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -36,21 +74,28 @@ def passthrough_app(upstream: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await request.body()
+        started, body = utcnow(), await request.body()
+        if store is not None:
+            asked = orjson.loads(body)
+            body = orjson.dumps(asked | {"return_token_ids": True, "logprobs": True})
         headers = {"Content-Type": "application/json"}
         session = request.app.state.session
         async with session.post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
-            return Response(await resp.read(), resp.status, media_type="application/json")
+            answer = await resp.read()
+        if store is not None and resp.status == 200:
+            await record(request.headers["x-api-key"], asked, orjson.loads(answer), started)
+        return Response(answer, resp.status, media_type="application/json")
 
     return app
 
 
 @contextmanager
-def floor(upstream: str, log: Path) -> Iterator[tuple[str, int]]:
-    """The floor in a process of its own in front of `upstream`: its …/v1 URL and its process
-    id; stopped afterwards."""
+def floor(upstream: str, log: Path, db: str | None = None) -> Iterator[tuple[str, int]]:
+    """The floor (recording into `db`, if given) in a process of its own in front of `upstream`:
+    its …/v1 URL and its process id; stopped afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.support.passthrough", "--port", str(port), "--upstream", upstream]
+    cmd += ["--db", db] if db else []
     with process(cmd, f"http://127.0.0.1:{port}/v1/models", log) as proc:
         yield f"http://127.0.0.1:{port}/v1", proc.pid
 
@@ -59,8 +104,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="the upstream's …/v1 URL")
+    parser.add_argument("--db", help="record each call into this store (the recording floor)")
     args = parser.parse_args()
-    uvicorn.run(passthrough_app(args.upstream), host="127.0.0.1", port=args.port, log_level="warning", loop="uvloop")
+    heap.settle()  # the collector as `rl-proxy serve` sets it
+    app = passthrough_app(args.upstream, args.db)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", loop="uvloop")
 
 
 if __name__ == "__main__":
