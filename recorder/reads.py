@@ -1,17 +1,21 @@
 """The store's reads: sessions (filtered, sorted, paged and counted in SQL), runs, rewards,
 calls in batches, and what the trainer stored of its runs and groups. Plain queries on the async
-engine; `Store` (store.py) adds the writing and the session look-ups by key.
+engine; those on a call's path (a session's look-up by key, its last call number, token-in's
+threads read back) on a synchronous engine in reader threads (`Reads.read`). `Store` (store.py)
+adds the writing and the session look-ups by key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import Select, String, bindparam, case, func, or_, select
+from sqlalchemy import Connection, Engine, Select, String, bindparam, case, func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -65,6 +69,7 @@ def session_info(row: SessionRow, reward: float | None = None, calls: int = 0, f
 
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 
 
 def _valid(model: type[M], value: dict[str, Any] | None, session_id: str) -> M | None:
@@ -95,6 +100,20 @@ class Reads:
 
     engine: AsyncEngine
     _sessions: async_sessionmaker[AsyncSession]
+    read_engine: Engine
+    readers: ThreadPoolExecutor
+
+    async def read(self, work: Callable[[Connection], R]) -> R:
+        """`work` on a connection of the synchronous read engine, in a reader thread: one thread
+        hop a read. Through the async engine over aiosqlite a read took several, and 0.56-0.68 ms
+        of CPU at one client (1.5-2.0 ms at 16 at once) against 0.24-0.29 so (docs/benchmarks.md,
+        "Where the milliseconds go"): the reads every new session and every thread read back make."""
+
+        def run() -> R:
+            with self.read_engine.connect() as conn:
+                return work(conn)
+
+        return await asyncio.get_running_loop().run_in_executor(self.readers, run)
 
     @translated
     async def get_session(self, session_id: str) -> SessionInfo | None:
@@ -290,8 +309,7 @@ class Reads:
         (the open ends: a main loop waiting while a subagent makes more calls than `limit`). One
         query, on the (session_id, seq) and call_id indexes, built once per `limit`."""
         query = _recent_threads(limit)
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(query, {"session_id": session_id})).all()
+        rows = await self.read(lambda conn: conn.execute(query, {"session_id": session_id}).all())
         found: dict[str, ThreadRecord] = {}
         for r in rows:
             found.setdefault(r.call_id, ThreadRecord(r.call_id, r.seq, r.prompt_token_ids, [], r.thread))

@@ -2,8 +2,9 @@
 
 Writes (new sessions, calls, rewards, session ends, runs and trained groups) go through the one
 writer (writer.py: group commit on a thread of its own), so a call is durable before the proxy
-answers the client. Reads use the async engine (aiosqlite, asyncpg). SQLite runs with
-journal_mode=WAL and synchronous=FULL.
+answers the client. Reads use the async engine (aiosqlite, asyncpg), and those on a call's path
+a synchronous one in reader threads (reads.py, `Reads.read`). SQLite runs with journal_mode=WAL
+and synchronous=FULL.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +24,7 @@ from sqlalchemy import Connection, create_engine, delete, event, func, insert, s
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from sqlalchemy.orm import Session
 
 from recorder.caches import ByteLRU
 from recorder.episodes import EpisodeOutcome, RewardRule, SessionStatus
@@ -52,6 +55,7 @@ def _session_bytes(info: SessionInfo) -> int:
     return 512 + len(info.id) + len(info.key) + len(orjson.dumps(info.metadata))  # its labels, as JSON
 
 
+READERS = 4  # threads (and connections) of the reads on a call's path (Reads.read)
 KEY_CACHE_BYTES = 32 * 2**20  # sessions looked up by key kept in memory (the least recently used go)
 
 
@@ -86,11 +90,16 @@ class Store(Reads):
         # by themselves when it is back (a file cannot go away so).
         self.engine = create_async_engine(engine_url, pool_pre_ping=not self.url.startswith("sqlite"), **options)
         self.write_engine = create_engine(sync_url(self.url), pool_size=1, **options)
+        self.read_engine = create_engine(
+            sync_url(engine_url), pool_size=READERS, pool_pre_ping=not self.url.startswith("sqlite"), **options
+        )
+        self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="recorder-reader")
         if self.engine.dialect.name == "postgresql":
             event.listen(self.engine.sync_engine, "handle_error", _broken_connection)
         if self.engine.dialect.name == "sqlite" and not readonly:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
             event.listen(self.write_engine, "connect", _sqlite_pragmas)
+            event.listen(self.read_engine, "connect", _sqlite_pragmas)
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.writer = Writer(self.write_engine)
         # key digest: its session
@@ -151,6 +160,8 @@ class Store(Reads):
 
     async def close(self) -> None:
         await self.writer.close()
+        self.readers.shutdown()
+        self.read_engine.dispose()
         await self.engine.dispose()
 
     # -- writing -------------------------------------------------------------------------
@@ -192,12 +203,14 @@ class Store(Reads):
         cached = self._by_key.get(digest)
         if cached is not None:
             return cached
-        async with self._sessions() as s:
-            row = await s.scalar(select(SessionRow).where(SessionRow.key == digest))
-        if row is None:
-            return None
-        info = session_info(row)
-        self._remember(digest, info)
+
+        def find(conn: Connection) -> SessionInfo | None:
+            row = Session(conn).scalar(select(SessionRow).where(SessionRow.key == digest))
+            return None if row is None else session_info(row)
+
+        info = await self.read(find)
+        if info is not None:
+            self._remember(digest, info)
         return info
 
     def _remember(self, digest: str, info: SessionInfo) -> None:
@@ -214,9 +227,8 @@ class Store(Reads):
     @translated
     async def last_seq(self, session_id: str) -> int:
         """The highest call number recorded in a session (0 if none)."""
-        async with self.engine.connect() as conn:
-            last = await conn.scalar(select(func.max(CallRow.seq)).where(CallRow.session_id == session_id))
-        return last or 0
+        last = select(func.max(CallRow.seq)).where(CallRow.session_id == session_id)
+        return await self.read(lambda conn: conn.scalar(last)) or 0
 
     @translated
     async def create_session(self, info: SessionInfo) -> SessionInfo:
