@@ -17,9 +17,7 @@ A third gives the cost of token-in: 3-turn sessions (each call sends the convers
 through an rl-proxy with token-in, one whose thread cache holds nothing (every continuing call
 reads its thread back from the store, as a proxy that did not serve the previous call does) and
 one in messages mode, side by side; a continuation call's latency with token-in (one /tokenize
-of the request to the stub, and the planning) against messages mode, and what the read adds;
-beside them, the same renderings sent to the stub's /tokenize directly: the round trip token-in
-adds, which bounds its cost from below.
+of the request to the stub, and the planning) against messages mode, and what the read adds.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ from proxy.vllm import free_port
 LITELLM_KEY = "sk-bench-only"
 ASK = "Say hello in five words."
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 16}
-RENDERED_ANSWER = {"role": "assistant", "content": "Hello there, how are you today?"}
 API_BODIES = {  # path: request
     "chat/completions": BODY,
     "messages": {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 16},
@@ -162,7 +159,6 @@ def main() -> None:
                     "token-in": f"http://127.0.0.1:{rlp_port}/v1",
                     "read back": f"http://127.0.0.1:{reread_port}/v1",
                     "messages": f"http://127.0.0.1:{plain_port}/v1",
-                    "render alone": f"{stub.removesuffix('/v1')}/tokenize",
                 },
                 args,
             )
@@ -197,13 +193,12 @@ def main() -> None:
     )
     print(
         "| token-in median | token-in, thread read back, median | messages mode median | token-in added "
-        "| read back added | the rendering alone (the stub's /tokenize called directly), median |"
+        "| read back added |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|")
     print(
         f"| {token_in['token-in']:.2f} | {token_in['read back']:.2f} | {token_in['messages']:.2f} | "
-        f"{token_in['token-in'] - token_in['messages']:.2f} | {token_in['read back'] - token_in['token-in']:.2f} | "
-        f"{token_in['render alone']:.2f} |"
+        f"{token_in['token-in'] - token_in['messages']:.2f} | {token_in['read back'] - token_in['token-in']:.2f} |"
     )
     print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
     if recorded != sent_to_rlp:
@@ -242,12 +237,9 @@ def translation_cost(stub: str, rlp: str, args: argparse.Namespace) -> tuple[lis
 
 
 async def sessions(url: str, concurrency: int, count: int, tag: str) -> list[float]:
-    """`count` 3-turn sessions from `concurrency` workers; the latency of each continuation call, ms.
-    To a URL ending in /tokenize (the stub's), each call is the rendering token-in asks of the
-    upstream for it instead, and the answers are one fixed message."""
+    """`count` 3-turn sessions from `concurrency` workers; the latency of each continuation call, ms."""
     latencies: list[float] = []
     todo = iter(range(count))
-    render = url.endswith("/tokenize")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
 
         async def worker() -> None:
@@ -255,17 +247,14 @@ async def sessions(url: str, concurrency: int, count: int, tag: str) -> list[flo
                 messages = [{"role": "user", "content": ASK}]
                 for turn in range(3):
                     start = time.perf_counter()
-                    body = {"model": MODEL, "messages": messages, "add_generation_prompt": True}
+                    body = {**BODY, "messages": messages}
                     async with session.post(
-                        url if render else f"{url}/chat/completions",
-                        json=body if render else {**BODY, "messages": messages},
-                        headers={"Authorization": f"Bearer {tag}-{n}"},
+                        f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {tag}-{n}"}
                     ) as resp:
                         answer = await resp.json()
                     if turn:
                         latencies.append((time.perf_counter() - start) * 1000)
-                    said = RENDERED_ANSWER if render else answer["choices"][0]["message"]
-                    messages = [*messages, said, {"role": "user", "content": "And?"}]
+                    messages = [*messages, answer["choices"][0]["message"], {"role": "user", "content": "And?"}]
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies
