@@ -88,11 +88,10 @@ class Store(Reads):
             options["connect_args"] = {"timeout": busy_timeout}
         # A server's pooled connections die with it: checked before use, so that reads recover
         # by themselves when it is back (a file cannot go away so).
-        self.engine = create_async_engine(engine_url, pool_pre_ping=not self.url.startswith("sqlite"), **options)
+        served = not self.url.startswith("sqlite")
+        self.engine = create_async_engine(engine_url, pool_pre_ping=served, **options)
         self.write_engine = create_engine(sync_url(self.url), pool_size=1, **options)
-        self.read_engine = create_engine(
-            sync_url(engine_url), pool_size=READERS, pool_pre_ping=not self.url.startswith("sqlite"), **options
-        )
+        self.read_engine = create_engine(sync_url(engine_url), pool_size=READERS, pool_pre_ping=served, **options)
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="recorder-reader")
         if self.engine.dialect.name == "postgresql":
             event.listen(self.engine.sync_engine, "handle_error", _broken_connection)
@@ -205,8 +204,9 @@ class Store(Reads):
             return cached
 
         def find(conn: Connection) -> SessionInfo | None:
-            row = Session(conn).scalar(select(SessionRow).where(SessionRow.key == digest))
-            return None if row is None else session_info(row)
+            with Session(conn) as s:
+                row = s.scalar(select(SessionRow).where(SessionRow.key == digest))
+                return None if row is None else session_info(row)
 
         info = await self.read(find)
         if info is not None:

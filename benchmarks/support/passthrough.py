@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +48,19 @@ def passthrough_app(upstream: str, db: str | None = None) -> FastAPI:
             await store.close()
 
     app = FastAPI(lifespan=lifespan)
-    sessions: dict[str, list[Any]] = {}  # key: [its session's id, its last call's number]
+    numbers: dict[str, int] = {}  # a session (named by its key, as its id): its last call's number
 
-    async def record(key: str, body: dict[str, Any], answer: dict[str, Any], started: Any) -> None:
-        assert store is not None
-        if key not in sessions:
-            sessions[key] = [(await store.resolve_session(SessionInfo(id=key, key=key))).id, 0]
-        sessions[key][1] += 1
-        choices = answer["choices"]
+    async def record(store: Store, key: str, body: dict[str, Any], answer: dict[str, Any], started: datetime) -> None:
+        if key not in numbers:
+            numbers[key] = 0
+            await store.resolve_session(SessionInfo(id=key, key=key))
+        numbers[key] += 1
         completions = [
             Completion(c["index"], c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]], c["finish_reason"])
-            for c in choices
+            for c in answer["choices"]
         ]
         call = CallRecord(
-            session_id=sessions[key][0], seq=sessions[key][1], api="chat.completions", model=body["model"],
+            session_id=key, seq=numbers[key], api="chat.completions", model=body["model"],
             upstream=upstream, stream=False, request=body, response=answer, ok=True, http_status=200, error=None,
             prompt_token_ids=answer["prompt_token_ids"], completions=completions, policy_version=None,
             policy_version_end=None, started_at=started, finished_at=utcnow(),
@@ -83,7 +83,7 @@ def passthrough_app(upstream: str, db: str | None = None) -> FastAPI:
         async with session.post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
             answer = await resp.read()
         if store is not None and resp.status == 200:
-            await record(request.headers["x-api-key"], asked, orjson.loads(answer), started)
+            await record(store, request.headers["x-api-key"], asked, orjson.loads(answer), started)
         return Response(answer, resp.status, media_type="application/json")
 
     return app
