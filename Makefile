@@ -109,6 +109,7 @@ bench: install
 	$(PY) -m benchmarks.bench_environments
 	$(PY) -m benchmarks.bench_rollouts
 	$(PY) -m benchmarks.bench_token_in
+	$(PY) -m benchmarks.bench_history
 	$(PY) -m benchmarks.bench_train
 	$(PY) -m benchmarks.bench_train_step
 	$(PY) -m benchmarks.bench_viewer

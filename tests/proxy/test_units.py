@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import socket
@@ -22,6 +23,8 @@ import orjson
 import pytest
 from aiohttp import web
 from fastapi import FastAPI
+from hypothesis import given
+from hypothesis import strategies as st
 
 from benchmarks.support.samples import call
 from proxy import heap
@@ -31,7 +34,7 @@ from proxy.errors import UpstreamUnreachable
 from proxy.server import AppThread
 from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
-from proxy.threads import Answer, Plan, Threads, exact, thread_state
+from proxy.threads import Answer, Plan, Threads, _digest, exact, thread_state
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer, dtype_args, free_port
 from recorder.caches import ENTRY
@@ -347,6 +350,15 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
         threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), [*prompt, E], answers)
         assert why in str((await threads.plan(upstream, "s", follow)).why)
     assert histories == [follow["messages"][:2]]  # the answer that holds the end-of-turn token is refused first
+    # A rendering whose last token is the end-of-turn token closing the echoed answer, or that
+    # holds fewer of them than the thread: nothing to bridge with (the history as the thread's).
+    for cut in (rendered[:9], rendered[:4]):
+        rendered[:] = cut
+        threads = Threads()
+        answers = [Answer({"role": "assistant", "content": "ok"}, array("i", [80, 81, E]), "stop")]
+        threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), prompt, answers)
+        why = (await threads.plan(upstream, "s", follow)).why
+        assert "has no end-of-turn token 2 after the echoed answer" in str(why)
 
 
 # Digests as stores already hold them (CallRecord.thread): a proxy that digested a message
@@ -395,6 +407,21 @@ def test_a_messages_digest_is_the_one_stores_hold_and_leaves_the_message_as_it_w
         assert exact({**message, "content": plain}).hex() == recorded
         if len(plain) == 1:
             assert exact({**message, "content": plain[0]["text"]}).hex() == recorded
+
+
+# JSON values whose text holds what a bytes repr escapes: quotes, backslashes, DEL, non-ASCII.
+TEXT = st.text(st.characters(max_codepoint=0x7F)) | st.text(st.characters(exclude_categories=["Cs"]))
+VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(st.dictionaries(TEXT, VALUES, max_size=4))
+def test_a_digest_made_without_the_repr_is_the_reprs(message: dict[str, Any]) -> None:
+    data = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+    assert _digest(data) == hashlib.blake2b(repr(("exact", data)).encode(), digest_size=16).digest()
 
 
 async def _returns(value: Any) -> Any:
