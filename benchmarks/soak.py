@@ -60,7 +60,9 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     recording nothing), the most a proxy in one process of this stack can pass, the recording
     floor on each store (the same, and each call recorded through the recorder's Store before it
     is answered, and nothing else: the most a proxy of this stack that records durably can
-    pass), and rl-proxy in messages mode (no token-in), what token-in costs."""
+    pass), the token-in floor (the recording floor on SQLite, each continuing call also rendered
+    by the upstream's /tokenize first: the least token-in adds) and rl-proxy in messages mode (no
+    token-in), what token-in costs."""
     import psutil  # vLLM's dependency
 
     def seconds_of(server: psutil.Process) -> tuple[float, float]:
@@ -69,17 +71,19 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         return sum(server.cpu_times()[:2]), loop.user_time + loop.system_time
 
     proxies = ("sqlite", "sqlite-messages", "postgresql")
-    floors = ("passthrough", "recording-sqlite", "recording-postgresql")
+    floors = ("passthrough", "recording-sqlite", "recording-postgresql", "rendering-sqlite")
     samples: dict[str, list[Load]] = {name: [] for name in ("direct", *floors, *proxies)}
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in samples}  # ms a call: process, loop
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
         dbs["sqlite-messages"] = str(Path(tempfile.mkdtemp()) / "messages.db")
         dbs["recording-sqlite"] = str(Path(tempfile.mkdtemp()) / "floor.db")
         dbs["recording-postgresql"] = new_database(dbs["postgresql"])  # another, on the same server
+        dbs["rendering-sqlite"] = str(Path(tempfile.mkdtemp()) / "rendering.db")
         bases: dict[str, tuple[str, psutil.Process | None]] = {"direct": (upstream, None)}
         for name in floors:
             db = dbs.get(name)
-            base, pid = running.enter_context(floor(upstream, Path(tempfile.mkdtemp()) / "floor.log", db))
+            log, render = Path(tempfile.mkdtemp()) / "floor.log", name.startswith("rendering")
+            base, pid = running.enter_context(floor(upstream, log, db, render))
             bases[name] = (base, psutil.Process(pid))
         for kind in proxies:
             options = ("--messages-mode",) if kind.endswith("messages") else ()
@@ -115,6 +119,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         "passthrough": "the passthrough floor (records nothing)",
         "recording-sqlite": "the recording floor + sqlite (records, nothing else)",
         "recording-postgresql": "the recording floor + postgresql",
+        "rendering-sqlite": "the token-in floor + sqlite (records, and renders as token-in does)",
         "sqlite-messages": "rl-proxy + sqlite, messages mode (no token-in)",
     }
     rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}

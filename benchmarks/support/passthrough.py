@@ -8,7 +8,9 @@ Store (the writer, its batches and its durable commit) before the answer is sent
 a recording needs: the upstream asked for token ids and logprobs, its answer parsed, one
 CallRecord of the prompt and sampled ids. No validation, sessions held in a dict, no token-in,
 no translation: what any proxy of this stack that records each call durably costs at least
-(`python -m benchmarks.soak --bench`).
+(`python -m benchmarks.soak --bench`). With `--render` too, the token-in floor: each call's
+messages also rendered by the upstream (`POST /tokenize`, its ids parsed) before it is forwarded,
+the one round trip that token-in adds to a call, and nothing of token-in's own work.
 Run alone: python -m benchmarks.support.passthrough --port 9001 --upstream http://127.0.0.1:9000/v1
 """
 
@@ -35,7 +37,7 @@ from recorder.records import Completion
 from recorder.store import utcnow
 
 
-def passthrough_app(upstream: str, db: str | None = None) -> FastAPI:
+def passthrough_app(upstream: str, db: str | None = None, render: bool = False) -> FastAPI:
     store = Store(db) if db else None
 
     @asynccontextmanager
@@ -80,6 +82,12 @@ def passthrough_app(upstream: str, db: str | None = None) -> FastAPI:
             body = orjson.dumps(asked | {"return_token_ids": True, "logprobs": True})
         headers = {"Content-Type": "application/json"}
         session = request.app.state.session
+        if render and any(m.get("role") == "assistant" for m in asked["messages"]):  # as token-in renders
+            rendering = orjson.dumps({"model": asked["model"], "messages": asked["messages"]})
+            async with session.post(
+                f"{upstream.removesuffix('/v1')}/tokenize", data=rendering, headers=headers
+            ) as resp:
+                assert isinstance(orjson.loads(await resp.read())["tokens"], list)
         async with session.post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
             answer = await resp.read()
         if store is not None and resp.status == 200:
@@ -90,12 +98,12 @@ def passthrough_app(upstream: str, db: str | None = None) -> FastAPI:
 
 
 @contextmanager
-def floor(upstream: str, log: Path, db: str | None = None) -> Iterator[tuple[str, int]]:
-    """The floor (recording into `db`, if given) in a process of its own in front of `upstream`:
-    its …/v1 URL and its process id; stopped afterwards."""
+def floor(upstream: str, log: Path, db: str | None = None, render: bool = False) -> Iterator[tuple[str, int]]:
+    """The floor (recording into `db`, if given; rendering each call first, if `render`) in a
+    process of its own in front of `upstream`: its …/v1 URL and its process id; stopped afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.support.passthrough", "--port", str(port), "--upstream", upstream]
-    cmd += ["--db", db] if db else []
+    cmd += (["--db", db] if db else []) + (["--render"] if render else [])
     with process(cmd, f"http://127.0.0.1:{port}/v1/models", log) as proc:
         yield f"http://127.0.0.1:{port}/v1", proc.pid
 
@@ -105,9 +113,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="the upstream's …/v1 URL")
     parser.add_argument("--db", help="record each call into this store (the recording floor)")
+    parser.add_argument("--render", action="store_true", help="and render it on the upstream first (with --db)")
     args = parser.parse_args()
     heap.settle()  # the collector as `rl-proxy serve` sets it
-    app = passthrough_app(args.upstream, args.db)
+    app = passthrough_app(args.upstream, args.db, args.render)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", loop="uvloop")
 
 
