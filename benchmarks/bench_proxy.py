@@ -18,6 +18,9 @@ through an rl-proxy with token-in, one whose thread cache holds nothing (every c
 reads its thread back from the store, as a proxy that did not serve the previous call does) and
 one in messages mode, side by side; a continuation call's latency with token-in (one /tokenize
 of the request to the stub, and the planning) against messages mode, and what the read adds.
+Beside them the recording floor and the token-in floor (benchmarks/support/passthrough.py: the
+same stack recording each call, and the latter rendering each continuing call on the stub first):
+what that one round trip adds by itself, the least any token-in proxy of this stack adds.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.support.load import p99
+from benchmarks.support.passthrough import floor
 from benchmarks.support.stack import process
 from benchmarks.support.stub_upstream import MODEL
 from proxy.vllm import free_port
@@ -142,6 +146,8 @@ def main() -> None:
         plain_port, reread_port = free_port(), free_port()
         serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub]
         with (
+            floor(stub, work / "recording-floor.log", str(work / "recording-floor.db")) as (recording, _),
+            floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, _),
             process(
                 [*serve, "--db", str(work / "messages.db"), "--port", str(plain_port), "--messages-mode"],
                 f"http://127.0.0.1:{plain_port}/healthz",
@@ -159,6 +165,8 @@ def main() -> None:
                     "token-in": f"http://127.0.0.1:{rlp_port}/v1",
                     "read back": f"http://127.0.0.1:{reread_port}/v1",
                     "messages": f"http://127.0.0.1:{plain_port}/v1",
+                    "recording floor": recording,
+                    "token-in floor": rendering,
                 },
                 args,
             )
@@ -189,16 +197,20 @@ def main() -> None:
     print(
         f"\nA continuation call's latency with token-in (its thread held, or read back from the store as by a "
         f"proxy that did not serve the previous call) against messages mode, ms ({args.api_level} concurrent "
-        f"3-turn sessions, stub upstream, SQLite, {args.rounds} interleaved rounds)\n"
+        f"3-turn sessions, stub upstream, SQLite, {args.rounds} interleaved rounds); beside them the recording "
+        "floor and the token-in floor (benchmarks/support/passthrough.py: recording each call, and rendering "
+        "each continuing one on the upstream first), whose difference is the least a token-in round trip adds\n"
     )
     print(
         "| token-in median | token-in, thread read back, median | messages mode median | token-in added "
-        "| read back added |"
+        "| read back added | recording floor median | token-in floor median | the round trip alone added |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    t = token_in
     print(
-        f"| {token_in['token-in']:.2f} | {token_in['read back']:.2f} | {token_in['messages']:.2f} | "
-        f"{token_in['token-in'] - token_in['messages']:.2f} | {token_in['read back'] - token_in['token-in']:.2f} |"
+        f"| {t['token-in']:.2f} | {t['read back']:.2f} | {t['messages']:.2f} | {t['token-in'] - t['messages']:.2f} | "
+        f"{t['read back'] - t['token-in']:.2f} | {t['recording floor']:.2f} | {t['token-in floor']:.2f} | "
+        f"{t['token-in floor'] - t['recording floor']:.2f} |"
     )
     print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
     if recorded != sent_to_rlp:

@@ -91,7 +91,8 @@ def passthrough_app(upstream: str, db: str | None = None, render: bool = False) 
         async with session.post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
             answer = await resp.read()
         if store is not None and resp.status == 200:
-            await record(store, request.headers["x-api-key"], asked, orjson.loads(answer), started)
+            key = request.headers.get("x-api-key") or request.headers["authorization"]  # a session a client
+            await record(store, key, asked, orjson.loads(answer), started)
         return Response(answer, resp.status, media_type="application/json")
 
     return app
