@@ -5,7 +5,9 @@ All targets answer the same request from the same fixed-latency STUB upstream
   direct    -> stub
   rl-proxy  -> stub   (recording every call into SQLite before answering)
   litellm   -> stub   (LiteLLM proxy, no database, default settings)
-At each concurrency, rounds alternate between targets so that machine noise hits all three
+  floor     -> stub   (the recording floor, benchmarks/support/passthrough.py: the same server
+                       stack recording each call through the same store, and nothing else)
+At each concurrency, rounds alternate between targets so that machine noise hits all targets
 alike. Added latency = a target's latency minus the direct median of the same level and round.
 The load generator is aiohttp in this process; servers run in their own processes.
 
@@ -109,11 +111,13 @@ def main() -> None:
             work / "litellm.log",
             env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY},
         ),
+        floor(stub, work / "recording-floor.log", str(work / "recording-floor.db")) as (recording, _),
     ):
         targets = {
             "direct": f"{stub}/chat/completions",
             "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
             "litellm": f"http://127.0.0.1:{litellm_port}/v1/chat/completions",
+            "floor": f"{recording}/chat/completions",
         }
         for url in targets.values():  # warm up connections and imports
             asyncio.run(load(url, 4, 40, LITELLM_KEY if url == targets["litellm"] else "warmup"))
@@ -121,7 +125,7 @@ def main() -> None:
         rows = []
         for level in args.levels:
             requests = max(level * 4, int(args.seconds * level / args.latency))
-            added: dict[str, list[float]] = {"rl-proxy": [], "litellm": []}
+            added: dict[str, list[float]] = {"rl-proxy": [], "litellm": [], "floor": []}
             raw: dict[str, list[float]] = {name: [] for name in targets}
             for round_ in range(args.rounds):
                 key = f"bench-{level}-{round_}"
@@ -146,7 +150,6 @@ def main() -> None:
         plain_port, reread_port = free_port(), free_port()
         serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub]
         with (
-            floor(stub, work / "recording-floor.log", str(work / "recording-floor.db")) as (recording, _),
             floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, _),
             process(
                 [*serve, "--db", str(work / "messages.db"), "--port", str(plain_port), "--messages-mode"],
@@ -178,13 +181,13 @@ def main() -> None:
     )
     print(
         "| concurrency | requests/target | direct median | rl-proxy median | rl-proxy p99 | LiteLLM median "
-        "| LiteLLM p99 |"
+        "| LiteLLM p99 | recording floor median |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['level']} | {r['requests']} | {r['direct']:.1f} | {r['rl-proxy median']:.2f} | "
-            f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} |"
+            f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} | {r['floor median']:.2f} |"
         )
     print(
         f"\nAdded latency of each API through rl-proxy over a direct chat call of the same kind, ms "

@@ -17,6 +17,7 @@ Run alone: python -m benchmarks.support.passthrough --port 9001 --upstream http:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -51,12 +52,13 @@ def passthrough_app(upstream: str, db: str | None = None, render: bool = False) 
 
     app = FastAPI(lifespan=lifespan)
     numbers: dict[str, int] = {}  # a session (named by its key, as its id): its last call's number
+    opened: dict[str, asyncio.Future[Any]] = {}  # a session: its creation, which its concurrent calls await
 
     async def record(store: Store, key: str, body: dict[str, Any], answer: dict[str, Any], started: datetime) -> None:
-        if key not in numbers:
-            numbers[key] = 0
-            await store.resolve_session(SessionInfo(id=key, key=key))
-        numbers[key] += 1
+        if key not in opened:
+            opened[key] = asyncio.ensure_future(store.resolve_session(SessionInfo(id=key, key=key)))
+        await opened[key]
+        numbers[key] = numbers.get(key, 0) + 1
         completions = [
             Completion(c["index"], c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]], c["finish_reason"])
             for c in answer["choices"]
