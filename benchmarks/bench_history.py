@@ -96,7 +96,7 @@ async def plan_once(turns: int, repeats: int) -> dict[str, float]:
         }.items():
             times[name].append((b - a) * 1000)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    return medians | {"tokens": len(ids), "kb": len(orjson.dumps(messages)) / 1000}
+    return medians | {"messages": len(messages), "tokens": len(ids), "kb": len(orjson.dumps(messages)) / 1000}
 
 
 def main() -> None:
@@ -115,7 +115,7 @@ def main() -> None:
         got = asyncio.run(plan_once(turns, args.repeats))
         total = got["digests"] + got["plan"] + got["body"]
         print(
-            f"| {turns} | {3 * turns + 1} | {got['kb']:.0f} | {got['tokens']:,} | {got['digests']:.3f} "
+            f"| {turns} | {got['messages']} | {got['kb']:.0f} | {got['tokens']:,} | {got['digests']:.3f} "
             f"| {got['plan']:.3f} | {got['body']:.3f} | {total:.3f} |",
             flush=True,
         )

@@ -93,7 +93,7 @@ def passthrough_app(upstream: str, db: str | None = None, render: bool = False) 
         async with session.post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
             answer = await resp.read()
         if store is not None and resp.status == 200:
-            key = request.headers.get("x-api-key") or request.headers["authorization"]  # a session a client
+            key = request.headers.get("x-api-key") or request.headers["authorization"]  # the client's key: its session
             await record(store, key, asked, orjson.loads(answer), started)
         return Response(answer, resp.status, media_type="application/json")
 
