@@ -94,11 +94,13 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     vllm: Upstream, container_engine: Any, tmp_path: Path
 ) -> None:
     """The shipped collect config with a harness that makes one model call (the example's agent,
-    one step), then writes hello.txt, reads its own limits and leaves a file in
-    /logs/agent: the hello task always scores 1, the others 0, so the tests saw what the harness
-    did inside the container (in the image's WORKDIR, /app)."""
+    one step), then writes hello.txt, reads its own limits and leaves a file in /logs/agent: the
+    hello task always scores 1, the others 0, so the tests saw what the harness did inside the
+    container (in the image's WORKDIR, /app). hello.txt is written before the agent too: the agent
+    runs the command the model sampled, for up to 60 s, and in CI the slow task's 45 s ran out
+    before the harness had solved it (it scored 0)."""
     tasks = shutil.copytree(HARBOR / "tasks", tmp_path / "tasks")
-    _task_like(tasks, "hello-file", "slow", timeout=45)  # [agent] timeout_sec = 45: its one call first
+    _task_like(tasks, "hello-file", "slow", timeout=45)  # [agent] timeout_sec = 45
     _task_like(tasks, "hello-file", "exits-1")
     with open(tasks / "exits-1" / "environment" / "Dockerfile", "a") as dockerfile:
         dockerfile.write("RUN touch fails\n")
@@ -109,7 +111,8 @@ def test_each_episode_runs_in_a_fresh_container_and_the_tasks_tests_score_it(
     with open(tasks / "broken" / "environment" / "Dockerfile", "a") as dockerfile:
         dockerfile.write("RUN exit 3\n")
     script = (
-        'echo $PWD > /logs/agent/trace.txt; python3 /opt/rl-proxy/agent.py --steps 1 "$0"; echo hello > hello.txt; '
+        "echo $PWD > /logs/agent/trace.txt; echo hello > hello.txt; "
+        'python3 /opt/rl-proxy/agent.py --steps 1 "$0"; echo hello > hello.txt; '
         "echo limits $(cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max)"
         " $(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || cut -d' ' -f1 /sys/fs/cgroup/cpu.max); "
         "if [ -e slow ]; then sleep 600; fi; if [ -e fails ]; then exit 1; fi"
