@@ -155,9 +155,7 @@ async def messages(request: Request) -> Response:
         return json_response(anthropic_error_body(exc.status, exc.message), exc.status)
     if stream:
         return StreamingResponse(_relay(call, resp, data, tool_map, body["model"]), media_type="text/event-stream")
-    return json_response(
-        await call.finish(data, resp.status, lambda d: to_message(d, tool_map), request.is_disconnected)
-    )
+    return json_response(await call.finish(data, resp.status, lambda d: to_message(d, tool_map), request))
 
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}

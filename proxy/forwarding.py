@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
@@ -31,6 +31,7 @@ from proxy.errors import (
     StoreUnavailable,
     Unauthorized,
     UpstreamUnreachable,
+    client_gone,
     error_body,
     require_json,
 )
@@ -307,12 +308,11 @@ class Call:
         data: dict[str, Any],
         status: int,
         translate: Callable[[dict[str, Any]], Any],
-        gone: Callable[[], Awaitable[bool]],
+        request: Request,
     ) -> Any:
-        """Record a whole (not streamed) answer and return it as the client gets it. One that
-        cannot be translated is recorded with its tokens and the error, and answered 502. One
-        whose client hung up while it waited (`gone`: the ASGI disconnect) is recorded as 499,
-        its tokens kept: never delivered, so never trained on nor continued by token-in."""
+        """Record a whole (not streamed) answer and return it as the client gets it: answered 502
+        if it cannot be translated (its tokens and the error recorded), recorded as 499 with its
+        tokens if its client hung up while it waited (never delivered, so never trained on)."""
         capture = Capture()
         try:
             capture.add_response(data)
@@ -322,7 +322,7 @@ class Call:
             error = f"the answer could not be translated: {exc!r}"
             await self.commit(self.record(capture, None, 502, error))
             raise Untranslatable(error) from exc
-        if await gone():
+        if client_gone(request):
             await self.commit(self.record(capture, answer, 499, "client disconnected before the answer"))
             return answer
         await self.commit(self.record(capture, answer, status))

@@ -118,9 +118,7 @@ async def forward(request: Request, api: Api) -> Response:
     if stream:
         relay = _relay(call, api, resp, data, keep_tokens, keep_logprobs, keep_usage)
         return StreamingResponse(relay, media_type="text/event-stream")
-    answer = await call.finish(
-        data, resp.status, lambda d: client_view(d, keep_tokens, keep_logprobs), request.is_disconnected
-    )
+    answer = await call.finish(data, resp.status, lambda d: client_view(d, keep_tokens, keep_logprobs), request)
     return json_response(answer, resp.status)
 
 

@@ -180,9 +180,7 @@ async def responses(request: Request) -> Response:
     if stream:
         return StreamingResponse(_relay(call, resp, data), media_type="text/event-stream")
     return json_response(
-        await call.finish(
-            data, resp.status, lambda d: to_response(d, body, str(call.response_id)), request.is_disconnected
-        )
+        await call.finish(data, resp.status, lambda d: to_response(d, body, str(call.response_id)), request)
     )
 
 
