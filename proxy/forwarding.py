@@ -312,7 +312,7 @@ class Call:
     ) -> Any:
         """Record a whole (not streamed) answer and return it as the client gets it: answered 502
         if it cannot be translated (its tokens and the error recorded), recorded as 499 with its
-        tokens if its client hung up while it waited (never delivered, so never trained on)."""
+        tokens if its client hung up while it waited (never delivered: not trained, not continued)."""
         capture = Capture()
         try:
             capture.add_response(data)
