@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.support.load import p99
 from benchmarks.support.passthrough import floor
@@ -163,6 +165,12 @@ def main() -> None:
                 env={"RLP_THREAD_CACHE_MB": "0.0001"},
             ),
         ):
+            watched = {
+                "token-in": f"http://127.0.0.1:{rlp_port}",
+                "messages": f"http://127.0.0.1:{plain_port}",
+                "token-in floor": rendering.removesuffix("/v1"),
+            }
+            before = {name: waits(url) for name, url in watched.items()}
             token_in = token_in_cost(
                 {
                     "token-in": f"http://127.0.0.1:{rlp_port}/v1",
@@ -173,6 +181,7 @@ def main() -> None:
                 },
                 args,
             )
+            waited = {name: mean_waits(before[name], waits(url)) for name, url in watched.items()}
         sent_to_rlp += token_in.pop("sent")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
     print(
@@ -214,6 +223,21 @@ def main() -> None:
         f"| {t['token-in']:.2f} | {t['read back']:.2f} | {t['messages']:.2f} | {t['token-in'] - t['messages']:.2f} | "
         f"{t['read back'] - t['token-in']:.2f} | {t['recording floor']:.2f} | {t['token-in floor']:.2f} | "
         f"{t['token-in floor'] - t['recording floor']:.2f} |"
+    )
+    w = waited
+    print(
+        "\nWhere the calls of those runs waited besides the upstream's answer, ms a call, means (rl-proxy's own "
+        "/metrics: rlp_token_in_seconds of the continuing calls, rlp_commit_seconds of all; the token-in floor's "
+        "GET /waits): token-in's planning is its /tokenize round trip and its own work\n"
+    )
+    print(
+        "| token-in's planning | the token-in floor's /tokenize round trip | commit, token-in | commit, messages mode "
+        "| commit, token-in floor |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    print(
+        f"| {w['token-in']['plan']:.2f} | {w['token-in floor']['render']:.2f} | {w['token-in']['commit']:.2f} | "
+        f"{w['messages']['commit']:.2f} | {w['token-in floor']['commit']:.2f} |"
     )
     print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
     if recorded != sent_to_rlp:
@@ -273,6 +297,31 @@ async def sessions(url: str, concurrency: int, count: int, tag: str) -> list[flo
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies
+
+
+def waits(root: str) -> dict[str, tuple[float, float]]:
+    """What a server's waits took so far, (seconds, count) each: token-in's planning of continuing
+    calls and the commits of rl-proxy (its /metrics), the renderings and commits of a floor (/waits)."""
+    got = httpx.get(f"{root}/waits")  # a floor's; rl-proxy answers 404
+    if got.status_code == 200:
+        return {name: (w["seconds"], w["count"]) for name, w in got.json().items()}
+    samples = {
+        (s.name, s.labels.get("outcome")): s.value
+        for family in text_string_to_metric_families(httpx.get(f"{root}/metrics").text)
+        for s in family.samples
+    }
+
+    def wait(name: str, outcome: str | None = None) -> tuple[float, float]:
+        return samples.get((f"{name}_sum", outcome), 0.0), samples.get((f"{name}_count", outcome), 0.0)
+
+    return {"plan": wait("rlp_token_in_seconds", "continued"), "commit": wait("rlp_commit_seconds")}
+
+
+def mean_waits(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """The mean of each wait between two readings, ms."""
+    return {
+        name: 1000 * (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1]) for name in after
+    }
 
 
 def token_in_cost(targets: dict[str, str], args: argparse.Namespace) -> dict[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "thinking": (dict,),
     "user": (str,),
 }
+KINDS = {str: "a string", bool: "a boolean", list: "a list", dict: "an object", int: "an integer", float: "a number"}
 
 
 def check_types(body: dict[str, Any]) -> None:
@@ -128,17 +130,7 @@ def check_types(body: dict[str, Any]) -> None:
         if value is None:
             continue
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            kinds = " or ".join(
-                {
-                    str: "a string",
-                    bool: "a boolean",
-                    list: "a list",
-                    dict: "an object",
-                    int: "an integer",
-                    float: "a number",
-                }[t]
-                for t in types
-            )
+            kinds = " or ".join(KINDS[t] for t in types)
             raise BadRequest(f"'{name}' must be {kinds}", param=name)
 
 
@@ -187,7 +179,7 @@ class Call:
         settings = self.state.settings
         if settings.messages_mode or not settings.upstream_token_ids:
             return
-        self.chat_body = body
+        self.chat_body, start = body, time.perf_counter()
         try:
             # A session's first call has nothing recorded to continue: no read on its hot path.
             recorded = self.recorded_threads if self.seq > 1 else None
@@ -196,6 +188,8 @@ class Call:
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
             plan = Plan(None, f"token-in could not read the request: {exc!r}")
+        outcome = "new_thread" if plan.prompt_ids is None else "continued"
+        self.state.metrics.token_in.labels(outcome).observe(time.perf_counter() - start)
         context = self.upstream.models.get(str(body.get("model")))
         if plan.prompt_ids is not None and context and len(plan.prompt_ids) >= context:
             plan = Plan(None, f"the token-in prompt ({len(plan.prompt_ids)} tokens) fills the context")
@@ -330,7 +324,8 @@ class Call:
 
     async def commit(self, call: CallRecord) -> None:
         try:
-            call = await self.state.store.record(call)
+            with self.state.metrics.commit.time():
+                call = await self.state.store.record(call)
         except Exception as exc:  # a StoreError in the database's own words, or anything else: never lost silently
             raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {exc}") from exc
         self.state.numbers.recorded(call)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+WAITS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -16,6 +18,21 @@ class Metrics:
             "Latency of model calls through the proxy",
             ["api"],
             buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        # Where a call's time goes besides the upstream: token-in's renderings and the durable commit.
+        self.token_in = Histogram(
+            "rlp_token_in_seconds",
+            "Time token-in took to plan a chat call's prompt: the upstream's /tokenize renderings, "
+            "threads read back from the store",
+            ["outcome"],  # continued (a thread's tokens), new_thread
+            buckets=WAITS,
+            registry=self.registry,
+        )
+        self.commit = Histogram(
+            "rlp_commit_seconds",
+            "Time a call's record took to commit to the store (its answer leaves after)",
+            buckets=WAITS,
             registry=self.registry,
         )
         self.queue_depth = Gauge("rlp_recorder_queue_depth", "Writes waiting for the recorder", registry=self.registry)

@@ -11,6 +11,7 @@ no translation: what any proxy of this stack that records each call durably cost
 (`python -m benchmarks.soak --bench`). With `--render` too, the token-in floor: each call's
 messages also rendered by the upstream (`POST /tokenize`, its ids parsed) before it is forwarded,
 the one round trip that token-in adds to a call, and nothing of token-in's own work.
+`GET /waits` answers what the renderings and the commits took so far (seconds and count).
 Run alone: python -m benchmarks.support.passthrough --port 9001 --upstream http://127.0.0.1:9000/v1
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
@@ -51,6 +53,7 @@ def passthrough_app(upstream: str, db: str | None = None, render: bool = False) 
             await store.close()
 
     app = FastAPI(lifespan=lifespan)
+    waits = {"render": [0.0, 0], "commit": [0.0, 0]}  # seconds and count of each wait, for GET /waits
     numbers: dict[str, int] = {}  # a session (named by its key, as its id): its last call's number
     opened: dict[str, asyncio.Future[Any]] = {}  # a session: its creation, which its concurrent calls await
 
@@ -69,7 +72,13 @@ def passthrough_app(upstream: str, db: str | None = None, render: bool = False) 
             prompt_token_ids=answer["prompt_token_ids"], completions=completions, policy_version=None,
             policy_version_end=None, started_at=started, finished_at=utcnow(),
         )  # fmt: skip
+        start = time.perf_counter()
         await store.record(call)
+        waited(waits["commit"], start)
+
+    @app.get("/waits")
+    async def waits_route() -> dict[str, Any]:
+        return {name: {"seconds": total, "count": n} for name, (total, n) in waits.items()}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -85,11 +94,13 @@ def passthrough_app(upstream: str, db: str | None = None, render: bool = False) 
         headers = {"Content-Type": "application/json"}
         session = request.app.state.session
         if render and any(m.get("role") == "assistant" for m in asked["messages"]):  # as token-in renders
+            start = time.perf_counter()
             rendering = orjson.dumps({"model": asked["model"], "messages": asked["messages"]})
             async with session.post(
                 f"{upstream.removesuffix('/v1')}/tokenize", data=rendering, headers=headers
             ) as resp:
                 assert isinstance(orjson.loads(await resp.read())["tokens"], list)
+            waited(waits["render"], start)
         async with session.post(f"{upstream}/chat/completions", data=body, headers=headers) as resp:
             answer = await resp.read()
         if store is not None and resp.status == 200:
@@ -98,6 +109,11 @@ def passthrough_app(upstream: str, db: str | None = None, render: bool = False) 
         return Response(answer, resp.status, media_type="application/json")
 
     return app
+
+
+def waited(wait: list[Any], start: float) -> None:
+    wait[0] += time.perf_counter() - start
+    wait[1] += 1
 
 
 @contextmanager

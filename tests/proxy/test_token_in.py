@@ -28,6 +28,11 @@ def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(mak
         bridge = render(messages[:n])[len(render(messages[: n - 1])) - 1 :]  # the new user turn, then "assistant"
         assert after.prompt_token_ids == before.prompt_token_ids + COMPLETION + bridge
         assert after.token_in and after.thread_start is None
+    # What token-in's planning and the durable commits took, for Prometheus (docs/proxy.md#admin-api)
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert 'rlp_token_in_seconds_count{outcome="continued"} 2.0' in metrics
+    assert 'rlp_token_in_seconds_count{outcome="new_thread"} 1.0' in metrics
+    assert "rlp_commit_seconds_count 3.0" in metrics
 
 
 def test_messages_mode_sends_the_messages_as_they_are(make_proxy: Any, stub: str) -> None:
