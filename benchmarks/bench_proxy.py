@@ -23,6 +23,9 @@ of the request to the stub, and the planning) against messages mode, and what th
 Beside them the recording floor and the token-in floor (benchmarks/support/passthrough.py: the
 same stack recording each call, and the latter rendering each continuing call on the stub first):
 what that one round trip adds by itself, the least any token-in proxy of this stack adds.
+A fourth gives, over the same runs, what those calls waited for besides the upstream's answer:
+token-in's planning and the commits (rl-proxy's own /metrics), the token-in floor's /tokenize
+round trip and commits (its GET /waits); means, ms a call.
 """
 
 from __future__ import annotations
