@@ -38,6 +38,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -169,11 +170,11 @@ def main() -> None:
             ),
         ):
             watched = {
-                "token-in": f"http://127.0.0.1:{rlp_port}",
-                "messages": f"http://127.0.0.1:{plain_port}",
-                "token-in floor": rendering.removesuffix("/v1"),
+                "token-in": partial(proxy_waits, f"http://127.0.0.1:{rlp_port}"),
+                "messages": partial(proxy_waits, f"http://127.0.0.1:{plain_port}"),
+                "token-in floor": partial(floor_waits, rendering.removesuffix("/v1")),
             }
-            before = {name: waits(url) for name, url in watched.items()}
+            before = {name: read() for name, read in watched.items()}
             token_in = token_in_cost(
                 {
                     "token-in": f"http://127.0.0.1:{rlp_port}/v1",
@@ -184,7 +185,7 @@ def main() -> None:
                 },
                 args,
             )
-            waited = {name: mean_waits(before[name], waits(url)) for name, url in watched.items()}
+            waited = {name: mean_waits(before[name], read()) for name, read in watched.items()}
         sent_to_rlp += token_in.pop("sent")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
     print(
@@ -302,12 +303,14 @@ async def sessions(url: str, concurrency: int, count: int, tag: str) -> list[flo
     return latencies
 
 
-def waits(root: str) -> dict[str, tuple[float, float]]:
-    """What a server's waits took so far, (seconds, count) each: token-in's planning of continuing
-    calls and the commits of rl-proxy (its /metrics), the renderings and commits of a floor (/waits)."""
-    got = httpx.get(f"{root}/waits")  # a floor's; rl-proxy answers 404
-    if got.status_code == 200:
-        return {name: (w["seconds"], w["count"]) for name, w in got.json().items()}
+def floor_waits(root: str) -> dict[str, tuple[float, float]]:
+    """What a floor's renderings and commits took so far, (seconds, count) each (its GET /waits)."""
+    return {name: (w["seconds"], w["count"]) for name, w in httpx.get(f"{root}/waits").json().items()}
+
+
+def proxy_waits(root: str) -> dict[str, tuple[float, float]]:
+    """What rl-proxy's planning of continuing calls and its commits took so far, (seconds, count)
+    each (its /metrics)."""
     samples = {
         (s.name, s.labels.get("outcome")): s.value
         for family in text_string_to_metric_families(httpx.get(f"{root}/metrics").text)
