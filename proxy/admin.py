@@ -249,7 +249,8 @@ async def healthz(request: Request) -> dict[str, Any]:
         # why streams are asked for whole, if they are
         "stream_gap": state.upstreams.first.stream_gap if state.upstreams.first.streams_whole() else None,
         "upstreams": [
-            {"url": u.base_url, "alive": u.alive, "policy_version": u.version} for u in state.upstreams.members
+            {"url": u.base_url, "alive": u.alive, "policy_version": u.version, "bridges": u.bridges}
+            for u in state.upstreams.members
         ],
         "recorder_queue": state.store.queue_depth,
         "record_failures": state.store.write_failures,

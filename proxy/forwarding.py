@@ -39,7 +39,7 @@ from proxy.errors import (
 from proxy.sessions import force_sampling, parse_key, request_key
 from proxy.settings import Settings
 from proxy.state import ProxyState
-from proxy.threads import THREADS_PER_SESSION, Answer, Keys, Plan, keys_of, thread_state
+from proxy.threads import NOT_BRIDGED, NOT_TAKEN, THREADS_PER_SESSION, Answer, Keys, Plan, keys_of, thread_state, took
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.errors import StoreError
@@ -166,7 +166,8 @@ class Call:
         self.on_recorded: Callable[[CallRecord], None] | None = None  # called once it is committed
         self.chat_body: dict[str, Any] | None = None  # the upstream chat body, with token-in
         self.keys: Keys | None = None  # its messages' digests, made once for the plan and the record
-        self.prompt_ids: list[int] | None = None  # the prompt token-in built
+        self.prompt_ids: list[int] | None = None  # the prompt token-in built (its start, when `bridged`)
+        self.bridged = False  # the upstream was sent the thread to bridge (proxy/bridge.py)
         self.thread_start: str | None = None
         self.continues: dict[str, Any] | None = None  # the call and choice token-in continues
         self.model: str | None = None  # the served model the upstream was asked for (open_upstream)
@@ -196,8 +197,9 @@ class Call:
         why = plan.why or plan.fork
         self.prompt_ids, self.thread_start = plan.prompt_ids, why and why[:256]  # the column's width
         self.continues = plan.continues
+        self.bridged = plan.thread is not None
         if plan.prompt_ids is not None:
-            body["kv_transfer_params"] = {"prompt_token_ids": plan.prompt_ids}
+            body["kv_transfer_params"] = plan.kv_transfer_params()
 
     async def recorded_threads(self) -> list[ThreadRecord]:
         """The session's recorded threads. A read that fails (a connection cut, the database
@@ -232,9 +234,9 @@ class Call:
             error = capture.incomplete()  # answered, but never trained on as if complete
             if error and capture.text_without_ids:
                 self.upstream.note_stream_gap(error)
-        token_in = self.prompt_ids is not None and capture.prompt_token_ids == self.prompt_ids
+        token_in = took(self.prompt_ids, capture.prompt_token_ids, self.bridged)
         if self.prompt_ids is not None and capture.prompt_token_ids and not token_in:
-            self.thread_start = "the upstream rendered the messages itself (it did not take kv_transfer_params)"
+            self.thread_start = NOT_BRIDGED if self.bridged else NOT_TAKEN
         thread: dict[str, Any] | None = None
         answers: list[Answer] = []
         if error is None and self.chat_body is not None and capture.prompt_token_ids:

@@ -17,7 +17,10 @@ later message (a template that merges or drops turns), the history up to the ech
 rendered too, and must hold n. The end-of-turn token is found once per model and
 template, from two renderings of a short exchange that differ only in the answer's text. The ids
 go to vLLM's Chat Completions as `kv_transfer_params.prompt_token_ids`, so the answer is parsed
-(tool calls, reasoning) and shaped as before.
+(tool calls, reasoning) and shaped as before. A vLLM with rl-proxy's plugin (proxy/vllm_plugin.py,
+its model cards say so) makes the bridge itself where its chat route renders the request, from the
+thread's ids and counts sent with it (proxy/bridge.py): no `/tokenize` on the call's path, whose
+round trip was most of what token-in added to a call (docs/benchmarks.md).
 
 A call's token state is recorded with it (`CallRecord.thread`: digests of its messages and
 template inputs, each choice's message; its prompt and sampled ids are in the record anyway).
@@ -48,6 +51,7 @@ import numpy as np
 import orjson
 from cachetools import LRUCache
 
+from proxy.bridge import KEY, bridge
 from proxy.upstream import Upstream
 from recorder.caches import ByteLRU, deep_size
 from recorder.echo import echoes, norm
@@ -136,12 +140,21 @@ class Thread:
 
 @dataclass
 class Plan:
-    """How a call's prompt is made: `prompt_ids` (token-in), or None with `why` a new thread."""
+    """How a call's prompt is made: `prompt_ids` (token-in), or None with `why` a new thread. With
+    `thread`, `prompt_ids` are only the prompt's start, the thread's ids: the upstream makes the
+    bridge (proxy/bridge.py), sent `thread` and `prompt_ids` as its `prefix`."""
 
     prompt_ids: list[int] | None
     why: str | None  # why the call starts a new thread (None: it continues one)
     fork: str | None = None  # a continuing call's, when another call continued the same answer first
     continues: dict[str, Any] | None = None  # the call and choice it continues: {"call": call_id, "choice": i}
+    thread: dict[str, Any] | None = None  # what the upstream makes the bridge from, if it does
+
+    def kv_transfer_params(self) -> dict[str, Any]:
+        """How vLLM's Chat Completions is given the prompt: its ids, or the thread to bridge."""
+        if self.thread is None:
+            return {"prompt_token_ids": self.prompt_ids}
+        return {KEY: {**self.thread, "prefix": self.prompt_ids}}
 
 
 # What renders a chat besides its messages (a change starts a new thread).
@@ -335,36 +348,38 @@ class Threads:
         # The answer's end of turn is the n-th: its last sampled token (checked above: no other is
         # one), or the template's when it was cut before sampling one. numpy: 5 us at 30k ids.
         n = int(np.count_nonzero(np.frombuffer(thread.prompt_ids, np.intc) == eot)) + 1
-        rendered = await render(upstream, body)
-        if isinstance(rendered, str):
-            return self._unrendered(upstream, rendered)
-        later = len(messages) - len(thread.messages) - 1  # the messages after the echoed answer
-        count = rendered.count(eot)
-        if count != n + later:  # not one turn each: count the history up to the echoed answer
-            echoed = [m for m in body["messages"] if isinstance(m, dict)][: len(thread.messages) + 1]
-            history = await render(upstream, {**body, "messages": echoed}, generation=False)
-            if isinstance(history, str):
-                return self._unrendered(upstream, history)
-            if history.count(eot) != n:
-                return Plan(
-                    None,
-                    f"the template renders the conversation with {history.count(eot)} end-of-turn "
-                    f"tokens up to the echoed answer, its tokens hold {n}",
-                )
-        # The n-th end-of-turn token, found from the end: only the new messages' tokens are scanned.
-        back, at = rendered[::-1], -1
-        for _ in range(count - n + 1):  # none when the rendering holds fewer than n
-            at = back.index(eot, at + 1)
-        if at <= 0:
-            return Plan(None, f"the rendering has no end-of-turn token {eot} after the echoed answer")
-        bridge = rendered[len(rendered) - 1 - at + (1 if closed else 0) :]
+        echoed = len(thread.messages) + 1
+        spec = {"eot": eot, "n": n, "later": len(messages) - echoed, "closed": closed, "echoed": echoed}
+        if not upstream.bridges:
+            rendered = await render(upstream, body)
+            if isinstance(rendered, str):
+                return self._unrendered(upstream, rendered)
+            made = await bridge(
+                rendered, spec, lambda: render(upstream, {**body, "messages": messages[:echoed]}, False)
+            )
+            if isinstance(made, str):
+                return self._unrendered(upstream, made)
+            sequence += made  # the list is its own: no copy
         first = thread.continued.setdefault(thread.answers.index(answer), call_id)
         fork = None if first == call_id else f"a fork: call {first} continued this answer first"
-        sequence += bridge  # the list is its own: no copy
-        return Plan(sequence, None, fork, {"call": thread.call_id, "choice": thread.answers.index(answer)})
+        continues = {"call": thread.call_id, "choice": thread.answers.index(answer)}
+        # An upstream that bridges (its vLLM cuts the bridge where it renders the request) is sent the thread.
+        return Plan(sequence, None, fork, continues, spec if upstream.bridges else None)
 
 
 NO_RENDERING = "the upstream has no /tokenize to render requests with (token-in needs it)"
+NOT_TAKEN = "the upstream rendered the messages itself (it did not take kv_transfer_params)"
+NOT_BRIDGED = "the upstream did not bridge the thread (its log says why)"
+
+
+def took(planned: list[int] | None, prompt: list[int] | None, bridged: bool) -> bool:
+    """Whether the upstream's prompt is the one token-in planned: the same ids, or when the
+    upstream bridged, the thread's ids and more."""
+    if planned is None or prompt is None:
+        return False
+    return len(prompt) > len(planned) and prompt[: len(planned)] == planned if bridged else prompt == planned
+
+
 NO_END_OF_TURN = "the chat template closes no assistant turn with a token of its own"
 
 

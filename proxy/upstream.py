@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import aiohttp
 import orjson
 
+from proxy.bridge import CARD
 from proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
 
 log = logging.getLogger("rl_proxy.upstream")
@@ -65,6 +66,7 @@ class Upstream:
         self.version: str | None = None
         self.models: dict[str, int | None] = {}  # served model -> its context length, if known
         self.adapters: set[str] = set()  # the LoRA adapters it serves
+        self.bridges = False  # whether it makes token-in's bridges itself (proxy/bridge.py): its model cards say
         # Why streamed calls are asked for whole and replayed to the client as a stream
         # (forwarding.open_upstream), if they are: one of its streams sent text without token ids.
         self.stream_gap: str | None = None
@@ -152,6 +154,7 @@ class Upstream:
         cards = [m for m in data.get("data") or [] if isinstance(m, dict)]
         self.models = {m["id"]: m.get("max_model_len") for m in cards if not m.get("parent")}
         self.adapters = {m["id"] for m in cards if m.get("parent")}
+        self.bridges = any(m.get(CARD) is True for m in cards)
         return True
 
     def serving(self, model: str, version: str | None) -> str:

@@ -18,6 +18,8 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
+from proxy.bridge import CARD, KEY, bridge
+
 MODEL = "stub-model"
 COMPLETION = [101, 102, 103, 104, 105, 106, 107, 2]
 
@@ -60,6 +62,7 @@ def stub_app(
     garbled_at: int | None = None,
     tool_calls: list[tuple[str, str]] | None = None,
     tokenize: bool = True,
+    bridges: bool = True,
 ) -> FastAPI:
     """Faults: `first_latency` is how long the first chat call takes (the others `latency`);
     `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
@@ -74,24 +77,28 @@ def stub_app(
     stream calls those tools as vLLM's tool parser streams them: a call's id and name in its
     first delta, its arguments in pieces after, one token a chunk. It renders chats as `render`
     says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
-    (`kv_transfer_params.prompt_token_ids`) as vLLM does. With `answers`, a scripted model: an
+    (`kv_transfer_params.prompt_token_ids`) as vLLM does, and unless `bridges` is false makes
+    token-in's bridges as rl-proxy's vLLM plugin does (proxy/bridge.py). `renderings` counts its
+    `/tokenize` calls. With `answers`, a scripted model: an
     answer's text is the conversation's nth (n: its assistant messages so far; the last one
     after), whole or streamed; with `tool_calls` too, a stream's first answer is those calls;
     with `summary`, the answer where the last message asks for a <summary> block (Claude Code's
     compaction)."""
     app = FastAPI()
+    app.state.renderings = 0
     served: list[int] = []  # chat calls answered so far
 
     @app.post("/tokenize")
     async def render_route(request: Request) -> Response:
         if provider_key is not None or not tokenize:  # another provider: no such route
             return Response(orjson.dumps({"detail": "Not Found"}), 404)
+        app.state.renderings += 1
         tokens = render((orjson.loads(await request.body())).get("messages") or [])
         return Response(orjson.dumps({"tokens": tokens, "count": len(tokens)}), media_type="application/json")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"} | ({CARD: True} if bridges else {})]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -105,8 +112,16 @@ def stub_app(
         first = not served
         served.append(1)
         await asyncio.sleep(first_latency if first_latency is not None and first else latency)
-        given = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")  # token-in, as vLLM takes it
-        prompt = given or render(body.get("messages") or [])
+        given = body.get("kv_transfer_params") or {}
+        prompt = given.get("prompt_token_ids") or render(body.get("messages") or [])  # token-in, as vLLM takes it
+        if bridges and given.get(KEY):
+            thread = given[KEY]
+
+            async def history() -> list[int]:
+                return render(body["messages"][: thread["echoed"]])
+
+            made = await bridge(prompt, thread, history)
+            prompt = prompt if isinstance(made, str) else thread["prefix"] + made
         head = {"id": f"chatcmpl-stub-{time.monotonic_ns()}", "created": int(time.time()), "model": MODEL}
         messages = body.get("messages") or []
         turn = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)

@@ -10,24 +10,34 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from benchmarks.support.stub_upstream import COMPLETION, MODEL, render
+from benchmarks.support.stub_upstream import COMPLETION, MODEL, render, stub_app
+from proxy.server import AppThread
 from recorder.graph import build_sequences
 
 
-def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(make_proxy: Any, stub: str) -> None:
-    proxy = make_proxy(stub)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    for turn in range(3):
-        body = {"model": MODEL, "messages": messages}
-        httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "s-ti"}).raise_for_status()
-        messages += [{"role": "assistant", "content": "stub answer"}, {"role": "user", "content": f"and {turn}?"}]
-    first, second, third = proxy.calls("s-ti")
-    assert first.prompt_token_ids == render(messages[:1]) and not first.token_in
-    for before, after, n in ((first, second, 3), (second, third, 5)):
-        bridge = render(messages[:n])[len(render(messages[: n - 1])) - 1 :]  # the new user turn, then "assistant"
-        assert after.prompt_token_ids == before.prompt_token_ids + COMPLETION + bridge
-        assert after.token_in and after.thread_start is None
+@pytest.mark.parametrize("bridges", [True, False], ids=["bridged-upstream", "tokenize"])
+def test_each_continuing_prompt_is_the_last_prompt_its_answer_and_the_bridge(make_proxy: Any, bridges: bool) -> None:
+    """Alike whether the upstream makes the bridge itself (rl-proxy's vLLM plugin: proxy/bridge.py)
+    or the proxy cuts it from a `/tokenize` of the request: then the call's path holds one more
+    round trip. Either way the end-of-turn token is found once, from two renderings."""
+    app = stub_app(bridges=bridges)
+    with AppThread(app) as upstream:
+        proxy = make_proxy(f"{upstream.url}/v1")
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        for turn in range(3):
+            body = {"model": MODEL, "messages": messages}
+            httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "s-ti"}).raise_for_status()
+            messages += [{"role": "assistant", "content": "stub answer"}, {"role": "user", "content": f"and {turn}?"}]
+        first, second, third = proxy.calls("s-ti")
+        assert first.prompt_token_ids == render(messages[:1]) and not first.token_in
+        for before, after, n in ((first, second, 3), (second, third, 5)):
+            bridge = render(messages[:n])[len(render(messages[: n - 1])) - 1 :]  # the new user turn, then "assistant"
+            assert after.prompt_token_ids == before.prompt_token_ids + COMPLETION + bridge
+            assert after.token_in and after.thread_start is None
+        assert app.state.renderings == (2 if bridges else 4)
+        assert httpx.get(f"{proxy.url}/healthz").json()["upstreams"][0]["bridges"] is bridges
     # What token-in's planning and the durable commits took, for Prometheus (docs/proxy.md#admin-api)
     metrics = httpx.get(f"{proxy.url}/metrics").text
     assert 'rlp_token_in_seconds_count{outcome="continued"} 2.0' in metrics

@@ -11,6 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -42,9 +43,22 @@ def assert_one_exact_sequence(calls: list[CallRecord]) -> None:
     assert all(c.thread_start is None for c in calls[1:])
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_tool_calling_session_is_one_exact_sequence(make_proxy: Any, vllm: Upstream, stream: bool) -> None:
+def bridging(path: str, make_proxy: Any, vllm: Upstream, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A proxy in front of the test's vLLM whose bridges are made by vLLM (rl-proxy's plugin,
+    proxy/bridge.py: "bridged") or by the proxy from a `/tokenize` of each continuing call."""
+    if path == "tokenize":  # a proxy that finds no bridging card
+        monkeypatch.setattr("proxy.upstream.CARD", "no-such-card")
     proxy = make_proxy(vllm.url)
+    if vllm.log is not None:  # this environment's vLLM, with its plugins
+        assert httpx.get(f"{proxy.url}/healthz").json()["upstreams"][0]["bridges"] is (path == "bridged")
+    return proxy
+
+
+@pytest.mark.parametrize(("stream", "path"), [(False, "bridged"), (True, "bridged"), (False, "tokenize")])
+def test_a_tool_calling_session_is_one_exact_sequence(
+    make_proxy: Any, vllm: Upstream, stream: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = bridging(path, make_proxy, vllm, monkeypatch)
     tool_session(proxy.v1, "ti-tools", vllm.model, stream)
     assert_one_exact_sequence(proxy.calls("ti-tools"))
 
@@ -144,15 +158,20 @@ INPUTS = {
 }
 
 
-@pytest.mark.parametrize("extra", [{}, INPUTS], ids=["smollm2", "template-inputs"])
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [({}, "bridged"), (INPUTS, "bridged"), ({}, "tokenize"), (INPUTS, "tokenize")],
+    ids=["smollm2", "template-inputs", "smollm2-tokenize", "template-inputs-tokenize"],
+)
 def test_on_text_the_bridge_is_what_the_template_renders(
-    make_proxy: Any, vllm: Upstream, extra: dict[str, Any]
+    make_proxy: Any, vllm: Upstream, extra: dict[str, Any], path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SmolLM2's template is append-only on plain text: there a token-in prompt must be exactly
     vLLM's own rendering of the whole conversation (when the answer re-tokenizes as sampled),
     which checks the bridge's content and not only that it extends the thread. So must it be with
-    the inputs vLLM's chat route gives a template (`reasoning_effort`, `documents`)."""
-    proxy = make_proxy(vllm.url)
+    the inputs vLLM's chat route gives a template (`reasoning_effort`, `documents`), whether vLLM
+    or the proxy cuts the bridge."""
+    proxy = bridging(path, make_proxy, vllm, monkeypatch)
     client = OpenAI(base_url=proxy.v1, api_key="ti-text", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3? Answer with one number."}]
     for ask in ("And 4 + 4?", "And 1 + 1?"):
@@ -173,3 +192,39 @@ def test_on_text_the_bridge_is_what_the_template_renders(
     for n, call in ((3, calls[1]), (5, calls[2])):
         rendered = direct_chat(vllm, messages=messages[:n], max_tokens=1, temperature=0, **extra)["prompt_token_ids"]
         assert call.prompt_token_ids == rendered
+
+
+# A template that shows the model only the last message: no bridge can be cut from its renderings.
+LAST_ONLY = (
+    "{% for m in messages[-1:] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("path", ["bridged", "tokenize"])
+def test_a_template_that_drops_turns_starts_a_new_thread_and_says_why(
+    make_proxy: Any, vllm: Upstream, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt is then vLLM's own rendering, recorded as a new thread: with the reason when the
+    proxy cut the bridge, with where to read it (vLLM's log) when vLLM was to."""
+    proxy = bridging(path, make_proxy, vllm, monkeypatch)
+    client = OpenAI(base_url=proxy.v1, api_key="ti-last", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say hi."}]
+    ask = {"model": vllm.model, "max_tokens": 8, "temperature": 0, "extra_body": {"chat_template": LAST_ONLY}}
+    reply = client.chat.completions.create(messages=messages, **ask)  # type: ignore[call-overload]
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "Again."},
+    ]
+    client.chat.completions.create(messages=messages, **ask)  # type: ignore[call-overload]
+    _, second = proxy.calls("ti-last")
+    assert not second.token_in
+    assert (
+        second.prompt_token_ids
+        == direct_chat(vllm, messages=messages, max_tokens=1, **ask["extra_body"])["prompt_token_ids"]
+    )
+    if httpx.get(f"{proxy.url}/healthz").json()["upstreams"][0]["bridges"]:
+        assert second.thread_start == "the upstream did not bridge the thread (its log says why)"
+        assert vllm.log is None or "is not bridged (the template renders" in vllm.log.read_text(errors="replace")
+    else:
+        assert str(second.thread_start).startswith("the template renders the conversation with 1 end-of-turn tokens")
