@@ -395,9 +395,11 @@ def ask_for_tokens(state: ProxyState, body: dict[str, Any], chat: bool = True) -
 async def fit_to_backend(state: ProxyState, body: dict[str, Any], session: SessionInfo | None = None) -> dict[str, Any]:
     """Map the requested model to a served one, cap the completion length and set the session's
     own sampling settings (admin API), in the upstream body (the recorded request stays as the
-    client sent it); return the changes made."""
+    client sent it), and drop a prompt of the client's own; return the changes made."""
     settings = state.settings
     rewrites = force_sampling(session, body)
+    if body.pop("kv_transfer_params", None) is not None:  # token-in's prompt (proxy/threads.py): the proxy's alone
+        rewrites["kv_transfer_params"] = ["dropped", None]
     served = await state.upstreams.first.served_models()
     model = body.get("model")
     policy = settings.policy_model or next(iter(served), None)

@@ -12,7 +12,7 @@ import httpx
 from openai import OpenAI
 from sqlalchemy import create_engine, inspect, text
 
-from benchmarks.support.stub_upstream import MODEL, stub_app
+from benchmarks.support.stub_upstream import MODEL, render, stub_app
 from proxy.server import AppThread
 from proxy.settings import Settings
 from recorder.store import sync_url
@@ -206,3 +206,15 @@ def test_a_nul_in_the_url_is_refused_in_each_apis_shape(make_proxy: Any, stub: s
     assert messages.status_code == 400 and messages.json()["type"] == "error", messages.text
     assert httpx.get(f"{proxy.url}/admin/sessions?run=%00").status_code == 400
     assert proxy.calls() == []
+
+
+def test_a_client_cannot_hand_the_upstream_a_prompt_of_its_own(make_proxy: Any, stub: str) -> None:
+    """`kv_transfer_params` is how the proxy gives vLLM token-in's prompt (proxy/threads.py): one a
+    client sent would make the recorded prompt tokens other than its messages', so it is dropped."""
+    proxy = make_proxy(stub)
+    forged = {"prompt_token_ids": [7, 7, 7], "rl_proxy_thread": {"prefix": [7], "eot": 2, "n": 0}}
+    body = {"model": MODEL, "messages": HI, "kv_transfer_params": forged}
+    httpx.post(f"{proxy.v1}/chat/completions", json=body, headers={"x-api-key": "forger"}).raise_for_status()
+    [call] = proxy.calls("forger")
+    assert call.prompt_token_ids == render(HI)
+    assert call.rewrites["kv_transfer_params"] == ["dropped", None]
