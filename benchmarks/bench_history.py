@@ -4,10 +4,11 @@ proxy's event loop spends planning one call's prompt, in process, at agent-sized
 A session of `turns` turns (a user message, an assistant answer with a tool call, a tool result;
 about 3 KB and 760 tokens a turn, as a coding agent's) is held as a thread, and the next call
 (its echoed answer and one tool result more) is planned: the digests of every message of its
-history (`keys_of`), then `Threads.plan` with the upstream's rendering as /tokenize answers it
-(JSON parsed), then the prompt ids dumped into the body forwarded to vLLM. The upstream is a STUB
-in process (it hands back a prepared /tokenize answer, no HTTP, no template), so what is timed is
-the proxy's own CPU; the round trip to vLLM's /tokenize comes on top. Medians of `--repeats`.
+history (`keys_of`), then `Threads.plan`, then the prompt dumped into the body forwarded to vLLM.
+Both ways to cut the bridge: by the proxy, from the upstream's rendering as /tokenize answers it
+(JSON parsed; the round trip comes on top), or by vLLM with rl-proxy's plugin (the proxy sends the
+thread's ids and counts). The upstream is a STUB in process (it hands back a prepared /tokenize
+answer, no HTTP, no template), so what is timed is the proxy's own CPU. Medians of `--repeats`.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class StubUpstream(SimpleNamespace):
         return resp.body
 
 
-async def plan_once(turns: int, repeats: int) -> dict[str, float]:
-    """ms a call, medians: the digests, the plan (the /tokenize answer parsed), the forwarded body."""
+async def plan_once(turns: int, repeats: int, bridges: bool) -> dict[str, float]:
+    """ms a call, medians: the digests, the plan (with `bridges`, the upstream's to cut the bridge;
+    else the /tokenize answer parsed and the bridge cut), the forwarded body."""
     rng = random.Random(turns)
     messages, ids = conversation(turns, rng)
     # The thread is the call before the last turn's answer: its prompt, then its sampled answer.
@@ -74,7 +76,8 @@ async def plan_once(turns: int, repeats: int) -> dict[str, float]:
     cut = len(ids) - TOKENS_A_TURN[2] - 1 - TOKENS_A_TURN[1] - 1
     prompt, sampled = ids[:cut], ids[cut : cut + TOKENS_A_TURN[1] + 1]
     body = {"model": "m", "messages": messages}
-    upstream = StubUpstream(base_url="http://stub/v1", rendering=orjson.dumps({"tokens": ids, "count": len(ids)}))
+    rendering = orjson.dumps({"tokens": ids, "count": len(ids)})
+    upstream = StubUpstream(base_url="http://stub/v1", rendering=rendering, bridges=bridges)
     threads = Threads()
     answers = [Answer(answer, array("i", sampled), "tool_calls")]
     threads.add("s", "c1", thread_state({"model": "m", "messages": held}, answers, None), prompt, answers)
@@ -86,9 +89,9 @@ async def plan_once(turns: int, repeats: int) -> dict[str, float]:
         digested = time.perf_counter()
         plan = await threads.plan(upstream, "s", body, "c2", keys=keys)
         planned = time.perf_counter()
-        orjson.dumps({**body, "kv_transfer_params": {"prompt_token_ids": plan.prompt_ids}})
+        orjson.dumps({**body, "kv_transfer_params": plan.kv_transfer_params()})
         done = time.perf_counter()
-        assert plan.why is None and plan.prompt_ids == ids, plan.why  # a continuation, token-exact
+        assert plan.why is None and plan.prompt_ids == (prompt + sampled if bridges else ids), plan.why
         for name, (a, b) in {
             "digests": (start, digested),
             "plan": (digested, planned),
@@ -107,18 +110,19 @@ def main() -> None:
     print(
         "\nToken-in's own CPU on a continuing call, ms (in process, STUB /tokenize answer; "
         f"medians of {args.repeats})\n\n"
-        "| turns | messages | history KB | prompt tokens | digests | plan (with /tokenize's JSON) | body dumped "
-        "| all |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| turns | messages | history KB | prompt tokens | bridge cut by | digests | plan | body dumped | all |\n"
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|"
     )
     for turns in args.turns:
-        got = asyncio.run(plan_once(turns, args.repeats))
-        total = got["digests"] + got["plan"] + got["body"]
-        print(
-            f"| {turns} | {got['messages']} | {got['kb']:.0f} | {got['tokens']:,} | {got['digests']:.3f} "
-            f"| {got['plan']:.3f} | {got['body']:.3f} | {total:.3f} |",
-            flush=True,
-        )
+        for bridges in (False, True):
+            got = asyncio.run(plan_once(turns, args.repeats, bridges))
+            total = got["digests"] + got["plan"] + got["body"]
+            print(
+                f"| {turns} | {got['messages']} | {got['kb']:.0f} | {got['tokens']:,} "
+                f"| {'vLLM (plugin)' if bridges else 'the proxy (/tokenize JSON)'} | {got['digests']:.3f} "
+                f"| {got['plan']:.3f} | {got['body']:.3f} | {total:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
