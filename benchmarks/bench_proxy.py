@@ -17,12 +17,14 @@ whole and streamed, against a direct chat call of the same kind.
 
 A third gives the cost of token-in: 3-turn sessions (each call sends the conversation so far)
 through an rl-proxy with token-in, one whose thread cache holds nothing (every continuing call
-reads its thread back from the store, as a proxy that did not serve the previous call does) and
-one in messages mode, side by side; a continuation call's latency with token-in (one /tokenize
-of the request to the stub, and the planning) against messages mode, and what the read adds.
+reads its thread back from the store, as a proxy that did not serve the previous call does), one
+whose upstream makes no bridges (a second stub: the proxy cuts each from a /tokenize of the
+request, as in front of a vLLM without rl-proxy's plugin) and one in messages mode, side by side;
+a continuation call's latency with token-in (the stub bridges as the plugin does, and the
+planning) against messages mode, and what the read and the /tokenize add.
 Beside them the recording floor and the token-in floor (benchmarks/support/passthrough.py: the
 same stack recording each call, and the latter rendering each continuing call on the stub first):
-what that one round trip adds by itself, the least any token-in proxy of this stack adds.
+what that one round trip adds by itself, the least a proxy that renders on the upstream adds.
 A fourth gives, over the same runs, what those calls waited for besides the upstream's answer:
 token-in's planning and the commits (rl-proxy's own /metrics), the token-in floor's /tokenize
 round trip and commits (its GET /waits); means, ms a call.
@@ -153,9 +155,32 @@ def main() -> None:
             print(f"  concurrency {level}: done", file=sys.stderr)
         api_rows, sent = translation_cost(stub, f"http://127.0.0.1:{rlp_port}/v1", args)
         sent_to_rlp += sent
-        plain_port, reread_port = free_port(), free_port()
+        plain_port, reread_port, tokenize_port, unbridged_port = free_port(), free_port(), free_port(), free_port()
         serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub]
+        unbridged = f"http://127.0.0.1:{unbridged_port}/v1"
+        stub_args = ["--latency", str(args.latency), "--no-bridges"]
         with (
+            process(
+                [py, "-m", "benchmarks.support.stub_upstream", "--port", str(unbridged_port), *stub_args],
+                f"{unbridged}/models",
+                work / "unbridged-stub.log",
+            ),
+            process(
+                [
+                    py,
+                    "-m",
+                    "proxy.cli",
+                    "serve",
+                    "--upstream",
+                    unbridged,
+                    "--db",
+                    str(work / "tokenize.db"),
+                    "--port",
+                    str(tokenize_port),
+                ],
+                f"http://127.0.0.1:{tokenize_port}/healthz",
+                work / "tokenize.log",
+            ),
             floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, _),
             process(
                 [*serve, "--db", str(work / "messages.db"), "--port", str(plain_port), "--messages-mode"],
@@ -171,6 +196,7 @@ def main() -> None:
         ):
             watched = {
                 "token-in": partial(proxy_waits, f"http://127.0.0.1:{rlp_port}"),
+                "/tokenize": partial(proxy_waits, f"http://127.0.0.1:{tokenize_port}"),
                 "messages": partial(proxy_waits, f"http://127.0.0.1:{plain_port}"),
                 "token-in floor": partial(floor_waits, rendering.removesuffix("/v1")),
             }
@@ -179,6 +205,7 @@ def main() -> None:
                 {
                     "token-in": f"http://127.0.0.1:{rlp_port}/v1",
                     "read back": f"http://127.0.0.1:{reread_port}/v1",
+                    "/tokenize": f"http://127.0.0.1:{tokenize_port}/v1",
                     "messages": f"http://127.0.0.1:{plain_port}/v1",
                     "recording floor": recording,
                     "token-in floor": rendering,
@@ -212,36 +239,40 @@ def main() -> None:
         print(f"| {api} | {mode} | {direct:.1f} | {median:.2f} | {high:.2f} |")
     print(
         f"\nA continuation call's latency with token-in (its thread held, or read back from the store as by a "
-        f"proxy that did not serve the previous call) against messages mode, ms ({args.api_level} concurrent "
+        f"proxy that did not serve the previous call, or its bridge cut by the proxy from a /tokenize of the "
+        f"request, in front of an upstream that makes none) against messages mode, ms ({args.api_level} concurrent "
         f"3-turn sessions, stub upstream, SQLite, {args.rounds} interleaved rounds); beside them the recording "
         "floor and the token-in floor (benchmarks/support/passthrough.py: recording each call, and rendering "
         "each continuing one on the upstream first), whose difference is the least a token-in round trip adds\n"
     )
     print(
-        "| token-in median | token-in, thread read back, median | messages mode median | token-in added "
-        "| read back added | recording floor median | token-in floor median | the round trip alone added |"
+        "| token-in median | token-in, thread read back, median | token-in, bridge by /tokenize, median "
+        "| messages mode median | token-in added | read back added | /tokenize added | recording floor median "
+        "| token-in floor median | the round trip alone added |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     t = token_in
     print(
-        f"| {t['token-in']:.2f} | {t['read back']:.2f} | {t['messages']:.2f} | {t['token-in'] - t['messages']:.2f} | "
-        f"{t['read back'] - t['token-in']:.2f} | {t['recording floor']:.2f} | {t['token-in floor']:.2f} | "
-        f"{t['token-in floor'] - t['recording floor']:.2f} |"
+        f"| {t['token-in']:.2f} | {t['read back']:.2f} | {t['/tokenize']:.2f} | {t['messages']:.2f} "
+        f"| {t['token-in'] - t['messages']:.2f} | {t['read back'] - t['token-in']:.2f} "
+        f"| {t['/tokenize'] - t['token-in']:.2f} | {t['recording floor']:.2f} | {t['token-in floor']:.2f} "
+        f"| {t['token-in floor'] - t['recording floor']:.2f} |"
     )
     w = waited
     print(
         "\nWhere the calls of those runs waited besides the upstream's answer, ms a call, means (rl-proxy's own "
         "/metrics: rlp_token_in_seconds of the continuing calls, rlp_commit_seconds of all; the token-in floor's "
-        "GET /waits): token-in's planning is its /tokenize round trip and its own work\n"
+        "GET /waits): token-in's planning is its own work, and where the proxy cuts the bridge, its /tokenize "
+        "round trip\n"
     )
     print(
-        "| token-in's planning | the token-in floor's /tokenize round trip | commit, token-in | commit, messages mode "
-        "| commit, token-in floor |"
+        "| token-in's planning | planning, bridge by /tokenize | the token-in floor's /tokenize round trip "
+        "| commit, token-in | commit, messages mode | commit, token-in floor |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|")
     print(
-        f"| {w['token-in']['plan']:.2f} | {w['token-in floor']['render']:.2f} | {w['token-in']['commit']:.2f} | "
-        f"{w['messages']['commit']:.2f} | {w['token-in floor']['commit']:.2f} |"
+        f"| {w['token-in']['plan']:.2f} | {w['/tokenize']['plan']:.2f} | {w['token-in floor']['render']:.2f} "
+        f"| {w['token-in']['commit']:.2f} | {w['messages']['commit']:.2f} | {w['token-in floor']['commit']:.2f} |"
     )
     print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
     if recorded != sent_to_rlp:

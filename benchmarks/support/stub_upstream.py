@@ -247,5 +247,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--latency", type=float, default=0.0)
+    parser.add_argument("--no-bridges", action="store_true", help="token-in's bridges are cut by the proxy")
     args = parser.parse_args()
-    uvicorn.run(stub_app(args.latency), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(
+        stub_app(args.latency, bridges=not args.no_bridges),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
