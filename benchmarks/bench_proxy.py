@@ -42,6 +42,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -155,65 +156,52 @@ def main() -> None:
             print(f"  concurrency {level}: done", file=sys.stderr)
         api_rows, sent = translation_cost(stub, f"http://127.0.0.1:{rlp_port}/v1", args)
         sent_to_rlp += sent
-        plain_port, reread_port, tokenize_port, unbridged_port = free_port(), free_port(), free_port(), free_port()
-        serve = [py, "-m", "proxy.cli", "serve", "--upstream", stub]
+        unbridged_port = free_port()
         unbridged = f"http://127.0.0.1:{unbridged_port}/v1"
-        stub_args = ["--latency", str(args.latency), "--no-bridges"]
+        ports = {name: free_port() for name in ("token-in", "read back", "/tokenize", "messages")}
+        stores = {name: work / f"{name.strip('/').replace(' ', '-')}.db" for name in ports}
+
+        def proxy(name: str, *flags: str, upstream: str = stub, env: dict[str, str] | None = None) -> Any:
+            """An rl-proxy of the token-in table, on a store of its own (so all start empty)."""
+            command = [py, "-m", "proxy.cli", "serve", "--upstream", upstream, "--db", str(stores[name])]
+            port = ports[name]
+            return process(
+                [*command, "--port", str(port), *flags],
+                f"http://127.0.0.1:{port}/healthz",
+                stores[name].with_suffix(".log"),
+                env=env,
+            )
+
+        stub_args = ["--port", str(unbridged_port), "--latency", str(args.latency), "--no-bridges"]
         with (
             process(
-                [py, "-m", "benchmarks.support.stub_upstream", "--port", str(unbridged_port), *stub_args],
+                [py, "-m", "benchmarks.support.stub_upstream", *stub_args],
                 f"{unbridged}/models",
-                work / "unbridged-stub.log",
+                work / "unbridged.log",
             ),
-            process(
-                [
-                    py,
-                    "-m",
-                    "proxy.cli",
-                    "serve",
-                    "--upstream",
-                    unbridged,
-                    "--db",
-                    str(work / "tokenize.db"),
-                    "--port",
-                    str(tokenize_port),
-                ],
-                f"http://127.0.0.1:{tokenize_port}/healthz",
-                work / "tokenize.log",
-            ),
+            proxy("token-in"),
+            # a thread cache smaller than any thread: every continuing call reads its thread back
+            proxy("read back", env={"RLP_THREAD_CACHE_MB": "0.0001"}),
+            proxy("/tokenize", upstream=unbridged),  # an upstream that makes no bridges
+            proxy("messages", "--messages-mode"),
             floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, _),
-            process(
-                [*serve, "--db", str(work / "messages.db"), "--port", str(plain_port), "--messages-mode"],
-                f"http://127.0.0.1:{plain_port}/healthz",
-                work / "messages-mode.log",
-            ),
-            process(  # a thread cache smaller than any thread: every continuing call reads its thread back
-                [*serve, "--db", str(work / "read-back.db"), "--port", str(reread_port)],
-                f"http://127.0.0.1:{reread_port}/healthz",
-                work / "read-back.log",
-                env={"RLP_THREAD_CACHE_MB": "0.0001"},
-            ),
         ):
             watched = {
-                "token-in": partial(proxy_waits, f"http://127.0.0.1:{rlp_port}"),
-                "/tokenize": partial(proxy_waits, f"http://127.0.0.1:{tokenize_port}"),
-                "messages": partial(proxy_waits, f"http://127.0.0.1:{plain_port}"),
+                **{
+                    name: partial(proxy_waits, f"http://127.0.0.1:{ports[name]}")
+                    for name in ("token-in", "/tokenize", "messages")
+                },
                 "token-in floor": partial(floor_waits, rendering.removesuffix("/v1")),
             }
             before = {name: read() for name, read in watched.items()}
-            token_in = token_in_cost(
-                {
-                    "token-in": f"http://127.0.0.1:{rlp_port}/v1",
-                    "read back": f"http://127.0.0.1:{reread_port}/v1",
-                    "/tokenize": f"http://127.0.0.1:{tokenize_port}/v1",
-                    "messages": f"http://127.0.0.1:{plain_port}/v1",
-                    "recording floor": recording,
-                    "token-in floor": rendering,
-                },
-                args,
-            )
+            urls = {name: f"http://127.0.0.1:{port}/v1" for name, port in ports.items()}
+            token_in = token_in_cost(urls | {"recording floor": recording, "token-in floor": rendering}, args)
             waited = {name: mean_waits(before[name], read()) for name, read in watched.items()}
-        sent_to_rlp += token_in.pop("sent")
+        sent_to_token_in = token_in.pop("sent")
+        for name, store in stores.items():
+            stored = sqlite3.connect(store).execute("select count(*) from calls").fetchone()[0]
+            if stored != sent_to_token_in:
+                sys.exit(f"calls were lost: the {name} proxy recorded {stored} of {sent_to_token_in}")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
     print(
         f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
@@ -274,7 +262,10 @@ def main() -> None:
         f"| {w['token-in']['plan']:.2f} | {w['/tokenize']['plan']:.2f} | {w['token-in floor']['render']:.2f} "
         f"| {w['token-in']['commit']:.2f} | {w['messages']['commit']:.2f} | {w['token-in floor']['commit']:.2f} |"
     )
-    print(f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it (SQLite, committed before answering).")
+    print(
+        f"\nrl-proxy recorded {recorded} of {sent_to_rlp} calls sent to it, and each proxy of the token-in table "
+        f"{sent_to_token_in} (SQLite, committed before answering)."
+    )
     if recorded != sent_to_rlp:
         sys.exit("calls were lost")
 

@@ -53,16 +53,21 @@ def register() -> None:
 def register_bridge() -> None:
     if "vllm.renderers.online_renderer" not in sys.modules:  # not the API server: an engine core or worker
         return
-    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-    from vllm.exceptions import VLLMValidationError
-    from vllm.inputs.engine import tokens_input
     from vllm.logger import init_logger
-    from vllm.renderers.online_renderer import OnlineRenderer
 
     from proxy.bridge import CARD, KEY, bridge
 
     log = init_logger("vllm.rl_proxy_bridge")  # in vLLM's own log
-    preprocess, show = OnlineRenderer.preprocess_chat, OpenAIServingModels.show_available_models
+    try:  # vLLM 0.32's internals: a vLLM where they moved serves on, and rl-proxy uses /tokenize
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs.engine import tokens_input
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        preprocess, show = OnlineRenderer.preprocess_chat, OpenAIServingModels.show_available_models
+    except (ImportError, AttributeError) as exc:
+        log.warning("rl-proxy's bridge is not loaded (%r): rl-proxy will render through /tokenize", exc)
+        return
     if getattr(preprocess, "bridges", False):  # registered already
         return
 
