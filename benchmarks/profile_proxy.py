@@ -89,10 +89,14 @@ async def calls(
 def breakdown(raw: Path, calls_made: int) -> list[tuple[str, float]]:
     """CPU ms a call for each part, from py-spy's raw (collapsed) samples at RATE a second."""
     found: collections.Counter[str] = collections.Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if stack:
-            found[_part(stack.split(";"))] += int(n)
+    held = ""  # a sample's start, when a frame's name holds a newline (SQLAlchemy's, SQL text)
+    for line in raw.read_text().split("\n"):
+        stack, _, n = (held + line).rpartition(" ")
+        if not n.isdigit():
+            held += line + " "
+            continue
+        held = ""
+        found[_part(stack.split(";"))] += int(n)
     return [(name, found[name] * 1000 / RATE / calls_made) for name, _ in PARTS]
 
 

@@ -61,8 +61,9 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     floor on each store (the same, and each call recorded through the recorder's Store before it
     is answered, and nothing else: the most a proxy of this stack that records durably can
     pass), the token-in floor (the recording floor on SQLite, each continuing call also rendered
-    by the upstream's /tokenize first: the least token-in adds) and rl-proxy in messages mode (no
-    token-in), what token-in costs."""
+    by the upstream's /tokenize first: the least a proxy adds that cuts the bridge itself, which
+    rl-proxy does only in front of a vLLM without its plugin; the stub bridges as the plugin
+    does) and rl-proxy in messages mode (no token-in), what token-in costs."""
     import psutil  # vLLM's dependency
 
     def seconds_of(server: psutil.Process) -> tuple[float, float]:
@@ -119,7 +120,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         "passthrough": "the passthrough floor (records nothing)",
         "recording-sqlite": "the recording floor + sqlite (records, nothing else)",
         "recording-postgresql": "the recording floor + postgresql",
-        "rendering-sqlite": "the token-in floor + sqlite (records, and renders as token-in does)",
+        "rendering-sqlite": "the token-in floor + sqlite (records, and renders as token-in does without the plugin)",
         "sqlite-messages": "rl-proxy + sqlite, messages mode (no token-in)",
     }
     rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}
