@@ -170,6 +170,7 @@ class VllmServer:
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter, used only with --enable-lora
+            "PYTHONUNBUFFERED": "1",  # its log file shows each line when it happens (vLLM logs to stdout)
         }
         # vLLM names its processes' IPC sockets by UUID in this folder (the temp dir by default) and
         # leaves them there when it stops: seven a start.

@@ -321,7 +321,7 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
 
     monkeypatch.setattr("proxy.threads.render", render)
     monkeypatch.setattr("proxy.threads.end_of_turn", lambda upstream, body: _returns(E))
-    upstream: Any = SimpleNamespace(base_url="http://upstream/v1")  # only rendered through the patches
+    upstream: Any = SimpleNamespace(base_url="http://upstream/v1", bridges=False)  # rendered through the patches
     for sampled, finish, expected in (
         ([80, 81, E], "stop", [*prompt, 80, 81, E, NL, 60, 61, E, NL, A]),  # sampled, then the bridge
         ([80, 81], "length", [*prompt, 80, 81, E, NL, 60, 61, E, NL, A]),
