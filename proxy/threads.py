@@ -370,6 +370,7 @@ class Threads:
 NO_RENDERING = "the upstream has no /tokenize to render requests with (token-in needs it)"
 NOT_TAKEN = "the upstream rendered the messages itself (it did not take kv_transfer_params)"
 NOT_BRIDGED = "the upstream did not bridge the thread (its log says why)"
+NO_END_OF_TURN = "the chat template closes no assistant turn with a token of its own"
 
 
 def took(planned: list[int] | None, prompt: list[int] | None, bridged: bool) -> bool:
@@ -378,9 +379,6 @@ def took(planned: list[int] | None, prompt: list[int] | None, bridged: bool) -> 
     if planned is None or prompt is None:
         return False
     return len(prompt) > len(planned) and prompt[: len(planned)] == planned if bridged else prompt == planned
-
-
-NO_END_OF_TURN = "the chat template closes no assistant turn with a token of its own"
 
 
 async def render(upstream: Upstream, body: dict[str, Any], generation: bool = True) -> list[int] | str:
