@@ -16,8 +16,9 @@ Completions, Anthropic Messages and OpenAI Responses (each translated to a chat 
 whole and streamed, against a direct chat call of the same kind.
 
 A third gives the cost of token-in: 3-turn sessions (each call sends the conversation so far)
-through an rl-proxy with token-in, one whose thread cache holds nothing (every continuing call
-reads its thread back from the store, as a proxy that did not serve the previous call does), one
+through an rl-proxy with token-in, one whose thread cache holds one session's threads (so each
+continuing call nearly always finds its session's evicted by the other 15 and reads it back from
+the store, as a proxy that did not serve the previous call does, then continues it), one
 whose upstream makes no bridges (a second stub: the proxy cuts each from a /tokenize of the
 request, as in front of a vLLM without rl-proxy's plugin) and one in messages mode, side by side;
 a continuation call's latency with token-in (the stub bridges as the plugin does, and the
@@ -180,8 +181,9 @@ def main() -> None:
                 work / "unbridged.log",
             ),
             proxy("token-in"),
-            # a thread cache smaller than any thread: every continuing call reads its thread back
-            proxy("read back", env={"RLP_THREAD_CACHE_MB": "0.0001"}),
+            # a thread cache that holds one session's threads (5,200 bytes): each continuing call
+            # finds its own evicted by the other sessions', reads them back and continues
+            proxy("read back", env={"RLP_THREAD_CACHE_MB": "0.008"}),
             proxy("/tokenize", upstream=unbridged),  # an upstream that makes no bridges
             proxy("messages", "--messages-mode"),
             floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, _),
@@ -189,7 +191,7 @@ def main() -> None:
             watched = {
                 **{
                     name: partial(proxy_waits, f"http://127.0.0.1:{ports[name]}")
-                    for name in ("token-in", "/tokenize", "messages")
+                    for name in ("token-in", "read back", "/tokenize", "messages")
                 },
                 "token-in floor": partial(floor_waits, rendering.removesuffix("/v1")),
             }
@@ -199,9 +201,13 @@ def main() -> None:
             waited = {name: mean_waits(before[name], read()) for name, read in watched.items()}
         sent_to_token_in = token_in.pop("sent")
         for name, store in stores.items():
-            stored = sqlite3.connect(store).execute("select count(*) from calls").fetchone()[0]
+            query = "select count(*), sum(seq > 1), sum(token_in) from calls"
+            stored, continuing, token_in_calls = sqlite3.connect(store).execute(query).fetchone()
             if stored != sent_to_token_in:
                 sys.exit(f"calls were lost: the {name} proxy recorded {stored} of {sent_to_token_in}")
+            if name != "messages" and token_in_calls != continuing:  # each continuation as the thread's tokens
+                lost = continuing - token_in_calls
+                sys.exit(f"the {name} proxy sent {lost} of {continuing} continuations as messages")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
     print(
         f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
@@ -254,12 +260,14 @@ def main() -> None:
         "round trip\n"
     )
     print(
-        "| token-in's planning | planning, bridge by /tokenize | the token-in floor's /tokenize round trip "
-        "| commit, token-in | commit, messages mode | commit, token-in floor |"
+        "| token-in's planning | planning, thread read back | planning, bridge by /tokenize "
+        "| the token-in floor's /tokenize round trip | commit, token-in | commit, messages mode "
+        "| commit, token-in floor |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     print(
-        f"| {w['token-in']['plan']:.2f} | {w['/tokenize']['plan']:.2f} | {w['token-in floor']['render']:.2f} "
+        f"| {w['token-in']['plan']:.2f} | {w['read back']['plan']:.2f} | {w['/tokenize']['plan']:.2f} "
+        f"| {w['token-in floor']['render']:.2f} "
         f"| {w['token-in']['commit']:.2f} | {w['messages']['commit']:.2f} | {w['token-in floor']['commit']:.2f} |"
     )
     print(
