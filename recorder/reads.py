@@ -102,17 +102,24 @@ class Reads:
     _sessions: async_sessionmaker[AsyncSession]
     read_engine: Engine
     readers: ThreadPoolExecutor
+    inline_reads: bool  # SQLite: reads on the event loop's thread
 
     async def read(self, work: Callable[[Connection], R]) -> R:
-        """`work` on a connection of the synchronous read engine, in a reader thread: one thread
-        hop a read. Through the async engine over aiosqlite a read took several, and 0.56-0.68 ms
-        of CPU at one client (1.5-2.0 ms at 16 at once) against 0.24-0.29 so (docs/benchmarks.md,
-        "Where the milliseconds go"): the reads every new session and every thread read back make."""
+        """`work` on a connection of the synchronous read engine: the reads every new session and
+        every thread read back make. Through the async engine over aiosqlite a read took several
+        thread hops, and 0.56-0.68 ms of CPU at one client (1.5-2.0 ms at 16 at once) against
+        0.24-0.29 in one hop to a reader thread, as a server's reads still go. SQLite's run on the
+        event loop's thread: in WAL mode a read never waits for the writer, and a thread read back
+        took 0.4-0.6 ms so against 1.8-2.3 through a reader thread at 16 clients, the hop's
+        wake-ups and the GIL passing between the threads (docs/benchmarks.md, "Where the
+        milliseconds go"); its busy timeout is short (READ_BUSY_TIMEOUT)."""
 
         def run() -> R:
             with self.read_engine.connect() as conn:
                 return work(conn)
 
+        if self.inline_reads:
+            return run()
         return await asyncio.get_running_loop().run_in_executor(self.readers, run)
 
     @translated
@@ -300,7 +307,6 @@ class Reads:
                 return
             last = found[-1][1].seq if session_id is not None else found[-1][0]
 
-    @translated
     @translated
     async def recent_threads(self, session_id: str, limit: int) -> list[ThreadRecord]:
         """A session's calls that token-in can continue (their `thread` state), newest first, with

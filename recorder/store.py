@@ -3,8 +3,8 @@
 Writes (new sessions, calls, rewards, session ends, runs and trained groups) go through the one
 writer (writer.py: group commit on a thread of its own), so a call is durable before the proxy
 answers the client. Reads use the async engine (aiosqlite, asyncpg), and those on a call's path
-a synchronous one in reader threads (reads.py, `Reads.read`). SQLite runs with journal_mode=WAL
-and synchronous=FULL.
+a synchronous one (reads.py, `Reads.read`): on the event loop's thread for SQLite, in reader
+threads for a server. SQLite runs with journal_mode=WAL and synchronous=FULL.
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ def _session_bytes(info: SessionInfo) -> int:
     return 512 + len(info.id) + len(info.key) + len(orjson.dumps(info.metadata))  # its labels, as JSON
 
 
-READERS = 4  # threads (and connections) of the reads on a call's path (Reads.read)
+READERS = 4  # threads (and connections) of a server's reads on a call's path (Reads.read)
+# Seconds a SQLite read on the event loop's thread waits for a lock (Reads.read): in WAL mode only a
+# recovery takes one from readers, and every call in flight waits with it.
+READ_BUSY_TIMEOUT = 1.0
 KEY_CACHE_BYTES = 32 * 2**20  # sessions looked up by key kept in memory (the least recently used go)
 
 
@@ -91,7 +94,9 @@ class Store(Reads):
         served = not self.url.startswith("sqlite")
         self.engine = create_async_engine(engine_url, pool_pre_ping=served, **options)
         self.write_engine = create_engine(sync_url(self.url), pool_size=1, **options)
-        self.read_engine = create_engine(sync_url(engine_url), pool_size=READERS, pool_pre_ping=served, **options)
+        self.inline_reads = not served
+        reading = {**options, "connect_args": {"timeout": READ_BUSY_TIMEOUT}} if self.inline_reads else options
+        self.read_engine = create_engine(sync_url(engine_url), pool_size=READERS, pool_pre_ping=served, **reading)
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="recorder-reader")
         if self.engine.dialect.name == "postgresql":
             event.listen(self.engine.sync_engine, "handle_error", _broken_connection)
