@@ -20,7 +20,7 @@ from typing import Any
 from uuid import uuid4
 
 import orjson
-from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, text, update
+from sqlalchemy import Connection, bindparam, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
@@ -55,6 +55,11 @@ def _session_bytes(info: SessionInfo) -> int:
     return 512 + len(info.id) + len(info.key) + len(orjson.dumps(info.metadata))  # its labels, as JSON
 
 
+# A new session's look-up and insert on the writer's thread, built once: built at each session,
+# with its values in them, they took 0.52 ms of the writer's CPU against 0.09-0.18 (a throw-away
+# timing of 300 sessions on SQLite).
+MINE = select(SessionRow.id).where(SessionRow.id == bindparam("id"), SessionRow.key == bindparam("key"))
+INTO_SESSIONS = insert(SessionRow)
 READERS = 4  # threads (and connections) of a server's reads on a call's path (Reads.read)
 # Seconds a SQLite read on the event loop's thread waits for a lock (Reads.read): in WAL mode only a
 # recovery takes one from readers, and every call in flight waits with it.
@@ -263,9 +268,8 @@ class Store(Reads):
         }
 
         def create(conn: Connection) -> None:  # sent again after a lost COMMIT answer, it finds itself
-            mine = select(SessionRow.id).where(SessionRow.id == info.id, SessionRow.key == digest)
-            if conn.scalar(mine) is None:
-                conn.execute(insert(SessionRow).values(values))
+            if conn.scalar(MINE, {"id": info.id, "key": digest}) is None:
+                conn.execute(INTO_SESSIONS, values)
 
         committed = self._creating[digest] = self.submit(create)
         self._new_ids.add(info.id)
