@@ -164,6 +164,7 @@ class VllmServer:
 
     def launch(self) -> None:
         """Start vLLM's process and return at once (`wait_ready` waits for it)."""
+        level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -171,6 +172,10 @@ class VllmServer:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter, used only with --enable-lora
             "PYTHONUNBUFFERED": "1",  # its log file shows each line when it happens (vLLM logs to stdout)
+            # TRL's import sets ERROR in its process's environment (trl/_compat.py), which this vLLM
+            # inherited from `rl-proxy train` and the tests: its log held no warning, not even why a
+            # thread was not bridged. ERROR so becomes INFO; any other level set is kept.
+            "VLLM_LOGGING_LEVEL": "INFO" if level.upper() == "ERROR" else level,
         }
         # vLLM names its processes' IPC sockets by UUID in this folder (the temp dir by default) and
         # leaves them there when it stops: seven a start.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import random
 import socket
 import subprocess
@@ -558,3 +559,17 @@ def test_settling_the_heap_freezes_what_lives_and_collects_the_young_less_often(
     before, after = orjson.loads(done.stdout.splitlines()[-1])
     assert before == [0, 700]
     assert after[0] > 1_000 and after[1] == heap.YOUNG  # every object of the imports frozen
+
+
+def test_the_vllm_it_starts_logs_its_warnings_though_trl_was_imported(tmp_path: Path) -> None:
+    """TRL's import sets VLLM_LOGGING_LEVEL=ERROR in its process's environment, which a vLLM
+    started from that process (`rl-proxy train`, the tests) inherited: its log held only errors,
+    not why a thread was not bridged."""
+    import trl  # noqa: F401
+
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR"  # what TRL's import does
+    server = VllmServer("m", "m", log_file=tmp_path / "log")
+    server.command = [sys.executable, "-c", "import os; print(os.environ['VLLM_LOGGING_LEVEL'])"]
+    server.launch()
+    assert server.process is not None and server.process.wait(30) == 0
+    assert (tmp_path / "log").read_text().strip() == "INFO"
