@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import random
 import socket
 import subprocess
@@ -561,15 +560,16 @@ def test_settling_the_heap_freezes_what_lives_and_collects_the_young_less_often(
     assert after[0] > 1_000 and after[1] == heap.YOUNG  # every object of the imports frozen
 
 
-def test_the_vllm_it_starts_logs_its_warnings_though_trl_was_imported(tmp_path: Path) -> None:
-    """TRL's import sets VLLM_LOGGING_LEVEL=ERROR in its process's environment, which a vLLM
-    started from that process (`rl-proxy train`, the tests) inherited: its log held only errors,
-    not why a thread was not bridged."""
-    import trl  # noqa: F401
-
-    assert os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR"  # what TRL's import does
+def test_the_vllm_it_starts_logs_its_warnings_though_trl_was_imported(tmp_path: Path, monkeypatch: Any) -> None:
+    """TRL's import sets VLLM_LOGGING_LEVEL=ERROR in its process's environment (trl/_compat.py),
+    which a vLLM started from that process (`rl-proxy train`, the tests) inherited: its log held
+    only errors, not why a thread was not bridged."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")  # as TRL's import leaves it
     server = VllmServer("m", "m", log_file=tmp_path / "log")
     server.command = [sys.executable, "-c", "import os; print(os.environ['VLLM_LOGGING_LEVEL'])"]
     server.launch()
-    assert server.process is not None and server.process.wait(30) == 0
+    try:
+        assert server.process is not None and server.process.wait(30) == 0
+    finally:
+        server.stop()
     assert (tmp_path / "log").read_text().strip() == "INFO"
