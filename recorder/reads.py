@@ -111,8 +111,8 @@ class Reads:
         0.24-0.29 in one hop to a reader thread, as a server's reads still go. SQLite's run on the
         event loop's thread: in WAL mode a read never waits for the writer, and a thread read back
         took 0.4-0.6 ms so against 1.8-2.3 through a reader thread at 16 clients, the hop's
-        wake-ups and the GIL passing between the threads (docs/benchmarks.md, "Where the
-        milliseconds go"); its busy timeout is short (READ_BUSY_TIMEOUT)."""
+        wake-ups and the GIL passing between the threads (docs/benchmarks.md, "The thread read
+        back, measured again"); its busy timeout is short (READ_BUSY_TIMEOUT)."""
 
         def run() -> R:
             with self.read_engine.connect() as conn:
