@@ -208,6 +208,17 @@ def _size(threads: tuple[Thread, ...]) -> int:
     return sys.getsizeof(threads) + sum(t.size for t in threads)
 
 
+def _joined(threads: tuple[Thread, ...], thread: Thread) -> tuple[Thread, ...]:
+    """A session's threads with one more, forgetting beyond THREADS_PER_SESSION the oldest that a
+    later call continued, before any branch's latest: a subagent of many calls leaves its
+    parent's thread to be continued when it returns."""
+    joined = [*threads, thread]
+    while len(joined) > THREADS_PER_SESSION:
+        older = joined[:-RECENT_THREADS]
+        joined.remove(next((t for t in older if t.continued), older[0]))
+    return tuple(joined)
+
+
 class Threads:
     """The open threads of recent sessions, and the end-of-turn token of each served model.
     Bounded by bytes (`budget`): the sessions used least recently are forgotten, and read back
@@ -225,23 +236,26 @@ class Threads:
         """A recorded call of the session: its `thread_state` (the digests made once, for the
         record and for this), its prompt ids and answers."""
         messages, tools = [bytes.fromhex(m) for m in state["messages"]], bytes.fromhex(state["tools"])
-        self._keep(session_id, Thread(call_id, messages, tools, array("i", prompt_ids), answers))
+        thread = Thread(call_id, messages, tools, array("i", prompt_ids), answers)
+        self.cache[session_id] = _joined(self.cache.get(session_id, ()), thread)
 
-    def restore(self, session_id: str, calls: list[ThreadRecord]) -> bool:
+    def restore(self, session_id: str, calls: list[ThreadRecord]) -> tuple[Thread, ...]:
         """Learn the threads of recorded calls of the session (newest first) that this proxy did
-        not serve, or has forgotten: another proxy's, or its own before a restart. Whether any
-        was new. Which answer each call continued is read from the records (by call id) before
-        any thread is kept, so that a thread enters the cache as memory would hold it, and the
-        eviction drops continued threads first whichever way the state came."""
+        not serve, or has forgotten: another proxy's, or its own before a restart. The session's
+        threads, kept or not (a session larger than the cache's budget is continued all the same),
+        or none when no thread was new. Which answer each call continued is read from the records
+        (by call id) before any thread is kept, so that a thread enters the cache as memory would
+        hold it, and the eviction drops continued threads first whichever way the state came."""
         firsts: dict[str, dict[int, str]] = {}  # a call id: for each of its answers, the call that continued it first
         for call in reversed(calls):  # oldest first: the first continuer wins
             continues = call.thread.get("continues") if isinstance(call.thread, dict) else None
             if isinstance(continues, dict) and isinstance(continues.get("call"), str):
                 firsts.setdefault(continues["call"], {}).setdefault(int(continues.get("choice") or 0), call.call_id)
-        for thread in self.cache.get(session_id, ()):
+        threads = self.cache.get(session_id, ())
+        for thread in threads:
             for answer, first in firsts.get(str(thread.call_id), {}).items():
                 thread.continued.setdefault(answer, first)
-        known = {t.call_id for t in self.cache.get(session_id, ())}
+        known = {t.call_id for t in threads}
         new = False
         for call in reversed(calls):
             if call.call_id in known:
@@ -264,23 +278,16 @@ class Threads:
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("call %s/%d: its token-in state cannot be read back: %r", session_id, call.seq, exc)
                 continue
-            self._keep(session_id, thread)
-            new = True
-        return new
+            threads, new = _joined(threads, thread), True
+        if not new:
+            return ()
+        self.cache[session_id] = threads
+        return threads
 
-    def _keep(self, session_id: str, thread: Thread) -> None:
-        """Add a thread to the session's, forgetting beyond THREADS_PER_SESSION the oldest that a
-        later call continued, before any branch's latest: a subagent of many calls leaves its
-        parent's thread to be continued when it returns."""
-        threads = [*self.cache.get(session_id, ()), thread]
-        while len(threads) > THREADS_PER_SESSION:
-            older = threads[:-RECENT_THREADS]
-            threads.remove(next((t for t in older if t.continued), older[0]))
-        self.cache[session_id] = tuple(threads)
-
-    def _continued(self, session_id: str, messages: list[dict[str, Any]], keys: Keys) -> tuple[Thread, Answer] | str:
-        """The thread (and its answer) that `messages` (their `keys`) continue, or why none does."""
-        threads = self.cache.get(session_id)
+    def _continued(
+        self, threads: tuple[Thread, ...], messages: list[dict[str, Any]], keys: Keys
+    ) -> tuple[Thread, Answer] | str:
+        """The thread of `threads` (and its answer) that `messages` (their `keys`) continue, or why none does."""
         if not threads:
             return "first call of the session seen by this proxy"
         why = "the conversation is not a continuation of an earlier call's"
@@ -320,14 +327,14 @@ class Threads:
         restart. `keys`: the body's, made from it unless given."""
         messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
         keys = keys or keys_of(body)
-        found = self._continued(session_id, messages, keys)
+        found = self._continued(self.cache.get(session_id, ()), messages, keys)
         # A thread in memory that the call continues by more than one message after its echo may
         # be an older one: another proxy may have served the calls between (round robin).
         stale = not isinstance(found, str) and len(messages) > len(found[0].messages) + 2
         # Only a call that holds an assistant answer can continue a thread: no read for the others.
         read = stale or (isinstance(found, str) and any(m.get("role") == "assistant" for m in messages[:-1]))
-        if read and recorded is not None and self.restore(session_id, await recorded()):
-            found = self._continued(session_id, messages, keys)
+        if read and recorded is not None and (restored := self.restore(session_id, await recorded())):
+            found = self._continued(restored, messages, keys)
         if isinstance(found, str):
             return Plan(None, found)
         thread, answer = found

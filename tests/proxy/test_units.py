@@ -34,7 +34,7 @@ from proxy.errors import UpstreamUnreachable
 from proxy.server import AppThread
 from proxy.sessions import forced_tool_choice, parse_key
 from proxy.state import RecentResponses
-from proxy.threads import Answer, Plan, Threads, _digest, exact, thread_state
+from proxy.threads import Answer, Plan, Threads, _digest, exact, thread_state, tools_key
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer, dtype_args, free_port
 from recorder.caches import ENTRY
@@ -479,6 +479,26 @@ async def test_only_a_call_that_holds_an_answer_reads_the_sessions_threads_back(
     follow = [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     await threads.plan(upstream, "s", {"model": "m", "messages": follow}, "c2", recorded)
     assert reads == ["read"]
+
+
+async def test_a_thread_read_back_is_continued_though_the_cache_cannot_hold_it() -> None:
+    """Threads read back were kept through the cache and looked for there: a session's threads
+    larger than the thread cache's budget were read back on every call, kept nowhere, and each
+    continuing call went as messages, silently (session 27: bench_proxy's read-back proxy)."""
+    ask = [{"role": "user", "content": "hi"}]
+    answer = Answer({"role": "assistant", "content": "ok"}, array("i", [7, 2]), "stop")
+    state = orjson.loads(orjson.dumps(thread_state({"messages": ask}, [answer], None)))
+
+    async def recorded() -> list[ThreadRecord]:
+        return [ThreadRecord("c1", 1, [1, 5], [[7, 2]], state)]
+
+    body = {"model": "m", "messages": [*ask, answer.message, {"role": "user", "content": "more"}]}
+    upstream = cast(Any, SimpleNamespace(base_url="http://upstream/v1", bridges=True))
+    for budget in (2**20, 100):  # one that holds the thread, one that cannot
+        threads = Threads(budget)
+        threads.end_of_turn[tools_key({**body, "tools": None}) + b"m"] = 2
+        plan = await threads.plan(upstream, "s", body, "c2", recorded)
+        assert (plan.prompt_ids, plan.continues) == ([1, 5, 7, 2], {"call": "c1", "choice": 0}), (budget, plan)
 
 
 def test_vllm_on_a_cpu_without_bf16_instructions_serves_float32(
