@@ -48,26 +48,29 @@ def number_calls(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRe
 
 
 @functools.cache
-def _inserts() -> tuple[ReturningInsert[tuple[int]], Insert]:
+def _inserts() -> tuple[ReturningInsert[tuple[int, str | None]], Insert]:
     """The two INSERT statements, built once: SQLAlchemy memoizes a statement's cache key on the
     object, so one kept spares every batch building it and its key again (a fifth of the insert's
-    CPU at one client, benchmarks/profile_proxy.py)."""
-    return insert(CallRow).returning(CallRow.id, sort_by_parameter_order=True), insert(CompletionRow)
+    CPU at one client, benchmarks/profile_proxy.py). The calls' ids come back with their call_id,
+    in no order: asked in the order given (`sort_by_parameter_order`), SQLite has no form that
+    keeps it, and SQLAlchemy sends one INSERT a call instead of one for the batch."""
+    return insert(CallRow).returning(CallRow.id, CallRow.call_id), insert(CompletionRow)
 
 
 def insert_calls(conn: Connection, calls: list[CallRecord]) -> None:
-    """Bulk-insert calls and their completions: two statements for a whole batch."""
+    """Bulk-insert calls and their completions: two statements for a whole batch. Every call has
+    a call_id of its own (the writer's calls are made by this proxy)."""
     into_calls, into_completions = _inserts()
-    ids = conn.execute(into_calls, [c.flat() for c in calls]).scalars().all()
+    ids = {call_id: id_ for id_, call_id in conn.execute(into_calls, [c.flat() for c in calls]).tuples()}
     completions = [
         {
-            "call_id": call_id,
+            "call_id": ids[call.call_id],
             "choice_index": c.index,
             "token_ids": c.token_ids,
             "logprobs": c.logprobs,
             "finish_reason": c.finish_reason,
         }
-        for call_id, call in zip(ids, calls, strict=True)
+        for call in calls
         for c in call.completions
     ]
     if completions:

@@ -112,7 +112,9 @@ async def test_two_stores_on_one_session_number_calls_without_collisions(db: str
 async def test_calls_numbered_by_their_proxy_are_inserted_without_a_query(db: str) -> None:
     """Issue 49: each commit read the calls' numbers and ids back (two SELECTs) before inserting,
     though one proxy's numbers are nearly always free. Now the database is asked only after a
-    unique violation says a number or call id is taken (the test above)."""
+    unique violation says a number or call id is taken (the test above). And a batch is two
+    INSERTs, its calls' and their completions': asked for the ids in the calls' order, SQLAlchemy
+    sent SQLite one INSERT a call."""
     async with Store(db) as store:
         await store.resolve_session(SessionInfo(id="a", key="a"))
         sent: list[str] = []
@@ -120,6 +122,7 @@ async def test_calls_numbered_by_their_proxy_are_inserted_without_a_query(db: st
         recorded = await asyncio.gather(*(store.record_nowait(call("a", seq, [seq])) for seq in (1, 2, 3)))
         assert [c.seq for c in recorded] == [1, 2, 3]
         assert sent and not [sql for sql in sent if sql.lstrip().upper().startswith("SELECT")], sent
+        assert len([sql for sql in sent if sql.lstrip().upper().startswith("INSERT")]) == 2, sent
 
 
 async def test_call_numbers_continue_a_stored_session_and_stay_bounded(db: str) -> None:
