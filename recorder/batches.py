@@ -48,7 +48,7 @@ def number_calls(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRe
 
 
 @functools.cache
-def _inserts() -> tuple[ReturningInsert[tuple[int, str | None]], Insert]:
+def _inserts() -> tuple[ReturningInsert[int, str | None], Insert]:
     """The two INSERT statements, built once: SQLAlchemy memoizes a statement's cache key on the
     object, so one kept spares every batch building it and its key again (a fifth of the insert's
     CPU at one client, benchmarks/profile_proxy.py). The calls' ids come back with their call_id,
