@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := .install-$(shell printf %s '$(abspath $(PY))' | sha256sum | cut -c1-12).stamp
 VENV_CFG := $(abspath $(dir $(PY))../pyvenv.cfg)
 
-.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-profile bench-scale bench-environments claude-graph serve test-slow
+.PHONY: install system lock train demo test soak soak-scale soak-learning lint fmt bench bench-rollouts bench-train-step bench-viewer bench-profile bench-agent-calls bench-scale bench-environments claude-graph serve test-slow
 
 install: $(STAMP)
 
@@ -110,6 +110,7 @@ bench: install
 	$(PY) -m benchmarks.bench_rollouts
 	$(PY) -m benchmarks.bench_token_in
 	$(PY) -m benchmarks.bench_history
+	$(PY) -m benchmarks.bench_agent_calls
 	$(PY) -m benchmarks.bench_train
 	$(PY) -m benchmarks.bench_train_step
 	$(PY) -m benchmarks.bench_viewer
@@ -133,6 +134,10 @@ bench-viewer: install
 # Where one call's milliseconds go: py-spy samples the proxy under one client (stub upstream).
 bench-profile: install
 	$(PY) -m benchmarks.profile_proxy
+
+# The proxy's CPU a call on a coding agent's conversation as it grows (stub upstream, real prompt lengths).
+bench-agent-calls: install
+	$(PY) -m benchmarks.bench_agent_calls
 
 # Where an episode runs: host, bubblewrap, a container (cold, cached image, warm pool), and
 # containers 4 and 16 at a time with and without the warm pool (stub upstream).

@@ -80,7 +80,8 @@ async def plan_once(turns: int, repeats: int, bridges: bool) -> dict[str, float]
     upstream = StubUpstream(base_url="http://stub/v1", rendering=rendering, bridges=bridges)
     threads = Threads()
     answers = [Answer(answer, array("i", sampled), "tool_calls")]
-    threads.add("s", "c1", thread_state({"model": "m", "messages": held}, answers, None), prompt, answers)
+    state = thread_state({"model": "m", "messages": held}, answers, None)
+    threads.add("s", "c1", state, array("i", prompt), answers)
     threads.end_of_turn[tools_key({**body, "tools": None}) + b"m"] = EOT
     times: dict[str, list[float]] = {"digests": [], "plan": [], "body": []}
     for _ in range(repeats):
@@ -91,7 +92,7 @@ async def plan_once(turns: int, repeats: int, bridges: bool) -> dict[str, float]
         planned = time.perf_counter()
         orjson.dumps({**body, "kv_transfer_params": plan.kv_transfer_params()})
         done = time.perf_counter()
-        assert plan.why is None and plan.prompt_ids == (prompt + sampled if bridges else ids), plan.why
+        assert plan.prompt_ids is not None and plan.prompt_ids.tolist() == (prompt + sampled if bridges else ids)
         for name, (a, b) in {
             "digests": (start, digested),
             "plan": (digested, planned),

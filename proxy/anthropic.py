@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import REASONING, Capture, reasoning_for_litellm
+from proxy.capture import LEFT_TO_CHAT, REASONING, Capture, reasoning_for_litellm
 from proxy.errors import BadRequest, anthropic_error_body, json_response
 from proxy.forwarding import (
     Call,
@@ -123,7 +123,7 @@ def to_message(chat_response: dict[str, Any], tool_map: dict[str, str]) -> dict[
     """The Anthropic message for a chat answer (which it fixes up in place)."""
     from litellm.types.utils import ModelResponse
 
-    fields = {k: v for k, v in reasoning_for_litellm(chat_response).items() if k != "assembled_from_stream"}
+    fields = {k: v for k, v in reasoning_for_litellm(chat_response).items() if k not in LEFT_TO_CHAT}
     _object_arguments(fields)
     for choice in fields.get("choices") or []:  # vLLM says "stop" after a forced tool call
         if (choice.get("message") or {}).get("tool_calls") and choice.get("finish_reason") == "stop":

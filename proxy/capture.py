@@ -8,12 +8,70 @@ record. `client_view` removes the fields the proxy asked for on the client's beh
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import orjson
 
 from recorder import Completion
 
 REASONING = ("reasoning_content", "reasoning")  # litellm's name and vLLM's (0.32)
+PROMPT_IDS = b'"prompt_token_ids":['  # as vLLM writes it: in a JSON string, its quotes would be escaped
+MAX_ID = 2**31 - 1  # what the store's packed ids hold
+# A chat answer's fields that no translated answer (Messages, Responses) carries: left out of
+# what litellm translates, which had turned an agent's 100k prompt ids into JSON and back.
+LEFT_TO_CHAT = ("assembled_from_stream", "prompt_token_ids")
+
+
+def parse_answer(raw: bytes) -> Any:
+    """An upstream's answer or stream chunk: `orjson.loads(raw)`, except that a `prompt_token_ids`
+    of the answer or of one of its choices comes back as an array of ids, read from its bytes by
+    numpy. An agent's prompt holds tens of thousands of ids, and a Python int made for each, then
+    packed again, was the largest part of the proxy's work on a long call (docs/benchmarks.md,
+    "Agent-sized calls"). Ids found anywhere else, or not plain non-negative integers, leave the
+    answer parsed as plain JSON."""
+    if PROMPT_IDS not in raw:
+        return orjson.loads(raw)
+    pieces: list[bytes] = []
+    found: list[array[int]] = []
+    start = 0
+    while (at := raw.find(PROMPT_IDS, start)) >= 0:
+        begin = at + len(PROMPT_IDS)
+        end = raw.find(b"]", begin)
+        ids = _ids(raw[begin:end]) if end >= 0 else None
+        if ids is None:
+            return orjson.loads(raw)
+        pieces += [raw[start:begin], str(len(found)).encode()]  # a placeholder: the ids' index
+        found.append(ids)
+        start = end
+    data = orjson.loads(b"".join([*pieces, raw[start:]]))
+    choices = data.get("choices") if isinstance(data, dict) else None
+    holders = [data, *(choices if isinstance(choices, list) else [])]
+    placed = 0
+    for holder in holders:
+        value = holder.get("prompt_token_ids") if isinstance(holder, dict) else None
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], int) and value[0] < len(found):
+            holder["prompt_token_ids"], placed = found[value[0]], placed + 1
+    return data if placed == len(found) else orjson.loads(raw)
+
+
+def _ids(text: bytes) -> array[int] | None:
+    """Comma-separated token ids as an array, or None if they are not all plain ids."""
+    if not text.strip():
+        return array("i")
+    if text.translate(None, b"0123456789, "):  # numpy would read 1.5 as 1, and -1 as an id
+        return None
+    try:  # numpy stops at a value it cannot read (a warning, or an error under -W error)
+        values = np.fromstring(text, dtype=np.int64, sep=",")
+    except ValueError:
+        return None
+    if len(values) != text.count(b",") + 1 or values.max() > MAX_ID:
+        return None
+    ids = array("i")
+    ids.frombytes(values.astype(np.intc).tobytes())
+    return ids
 
 
 def _logprobs(choice: dict[str, Any]) -> list[float]:
@@ -52,17 +110,20 @@ class _Choice:
 
 @dataclass
 class Capture:
-    """Tokens of one call, from a whole response (`add_response`) or its stream chunks."""
+    """Tokens of one call, from a whole response (`add_response`) or its stream chunks. The prompt's
+    ids are made an array once, here: the record packs it as it is and token-in keeps it, so that
+    an agent's tens of thousands of ids are not copied an int at a time again (docs/benchmarks.md)."""
 
-    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: array[int] = field(default_factory=lambda: array("i"))
     choices: dict[int, _Choice] = field(default_factory=dict)
     head: dict[str, Any] = field(default_factory=dict)
     usage: dict[str, Any] | None = None
     text_without_ids: bool = False  # a stream chunk sampled text but carried no token ids
 
     def _prompt(self, obj: dict[str, Any]) -> None:
-        if not self.prompt_token_ids and obj.get("prompt_token_ids"):
-            self.prompt_token_ids = list(obj["prompt_token_ids"])
+        ids = obj.get("prompt_token_ids")
+        if not self.prompt_token_ids and ids:
+            self.prompt_token_ids = ids if isinstance(ids, array) else array("i", ids)  # parse_answer's, or not
 
     def add_response(self, body: dict[str, Any]) -> None:
         self._prompt(body)
@@ -186,18 +247,19 @@ def reasoning_for_litellm(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def client_view(body: dict[str, Any], keep_tokens: bool, keep_logprobs: bool) -> dict[str, Any]:
-    """Null (in place) the token fields the client did not ask for; return the body.
+    """Null (in place) the token fields the client did not ask for; return the body. Prompt ids
+    that `parse_answer` made an array go to a client that asked for them as a list again.
 
     vLLM itself answers such a client with these fields present and null, so the client sees
     exactly what it would have seen without the proxy.
     """
-    if not keep_tokens and body.get("prompt_token_ids") is not None:
-        body["prompt_token_ids"] = None
+    for holder in [body, *(body.get("choices") or [])]:
+        ids = holder.get("prompt_token_ids")
+        if ids is not None:
+            holder["prompt_token_ids"] = (ids.tolist() if isinstance(ids, array) else ids) if keep_tokens else None
     for choice in body.get("choices") or []:
-        if not keep_tokens:
-            for name in ("token_ids", "prompt_token_ids"):
-                if choice.get(name) is not None:
-                    choice[name] = None
+        if not keep_tokens and choice.get("token_ids") is not None:
+            choice["token_ids"] = None
         if not keep_logprobs and choice.get("logprobs") is not None:
             choice["logprobs"] = None
     return body

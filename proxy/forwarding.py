@@ -21,7 +21,7 @@ import anyio
 import orjson
 from fastapi import Request
 
-from proxy.capture import Capture, as_chunks
+from proxy.capture import Capture, as_chunks, parse_answer
 from proxy.errors import (
     BadRequest,
     BodyTimeout,
@@ -166,7 +166,7 @@ class Call:
         self.on_recorded: Callable[[CallRecord], None] | None = None  # called once it is committed
         self.chat_body: dict[str, Any] | None = None  # the upstream chat body, with token-in
         self.keys: Keys | None = None  # its messages' digests, made once for the plan and the record
-        self.prompt_ids: list[int] | None = None  # the prompt token-in built (its start, when `bridged`)
+        self.prompt_ids: array[int] | None = None  # the prompt token-in built (its start, when `bridged`)
         self.bridged = False  # the upstream was sent the thread to bridge (proxy/bridge.py)
         self.thread_start: str | None = None
         self.continues: dict[str, Any] | None = None  # the call and choice token-in continues
@@ -460,7 +460,7 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
     if call.upstream_stream:
         return resp, None
     try:
-        return resp, orjson.loads(raw)
+        return resp, parse_answer(raw)
     except orjson.JSONDecodeError as exc:
         await call.commit(call.record(Capture(), None, 502, "upstream answered with invalid JSON"))
         raise UpstreamUnreachable(f"upstream answered with invalid JSON: {exc}") from exc
@@ -490,7 +490,7 @@ async def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str,
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 return
-            chunk = orjson.loads(payload)
+            chunk = parse_answer(payload)
             if "error" in chunk:
                 raise StreamBroken(str(chunk["error"].get("message", chunk["error"])))
             yield chunk

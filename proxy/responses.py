@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
-from proxy.capture import REASONING, Capture, reasoning_for_litellm
+from proxy.capture import LEFT_TO_CHAT, REASONING, Capture, reasoning_for_litellm
 from proxy.errors import BadRequest, NotFound, json_response
 from proxy.forwarding import (
     Call,
@@ -142,7 +142,7 @@ def to_chat(body: dict[str, Any], items: list[Any], stream: bool) -> dict[str, A
 
 def to_response(chat_response: dict[str, Any], body: dict[str, Any], response_id: str) -> dict[str, Any]:
     params = _params(body)
-    fields = {k: v for k, v in reasoning_for_litellm(chat_response).items() if k != "assembled_from_stream"}
+    fields = {k: v for k, v in reasoning_for_litellm(chat_response).items() if k not in LEFT_TO_CHAT}
     response = _config().transform_chat_completion_response_to_responses_api_response(
         request_input=body.get("input"), responses_api_request=params, chat_completion_response=fields
     )

@@ -144,17 +144,20 @@ class Plan:
     `thread`, `prompt_ids` are only the prompt's start, the thread's ids: the upstream makes the
     bridge (proxy/bridge.py), sent `thread` and `prompt_ids` as its `prefix`."""
 
-    prompt_ids: list[int] | None
+    prompt_ids: array[int] | None
     why: str | None  # why the call starts a new thread (None: it continues one)
     fork: str | None = None  # a continuing call's, when another call continued the same answer first
     continues: dict[str, Any] | None = None  # the call and choice it continues: {"call": call_id, "choice": i}
     thread: dict[str, Any] | None = None  # what the upstream makes the bridge from, if it does
 
     def kv_transfer_params(self) -> dict[str, Any]:
-        """How vLLM's Chat Completions is given the prompt: its ids, or the thread to bridge."""
+        """How vLLM's Chat Completions is given the prompt: its ids, or the thread to bridge. The
+        ids as a numpy view, which orjson writes without making each a Python int
+        (`Upstream.send`): an agent's prompt holds tens of thousands (docs/benchmarks.md)."""
+        ids = None if self.prompt_ids is None else np.frombuffer(self.prompt_ids, np.intc)
         if self.thread is None:
-            return {"prompt_token_ids": self.prompt_ids}
-        return {KEY: {**self.thread, "prefix": self.prompt_ids}}
+            return {"prompt_token_ids": ids}
+        return {KEY: {**self.thread, "prefix": ids}}
 
 
 # What renders a chat besides its messages (a change starts a new thread).
@@ -231,12 +234,12 @@ class Threads:
         self.unrendering: set[str] = set()  # upstreams without /tokenize
 
     def add(
-        self, session_id: str, call_id: str | None, state: dict[str, Any], prompt_ids: list[int], answers: list[Answer]
+        self, session_id: str, call_id: str | None, state: dict[str, Any], prompt_ids: array[int], answers: list[Answer]
     ) -> None:
         """A recorded call of the session: its `thread_state` (the digests made once, for the
-        record and for this), its prompt ids and answers."""
+        record and for this), its prompt ids (kept, not copied: nothing changes them) and answers."""
         messages, tools = [bytes.fromhex(m) for m in state["messages"]], bytes.fromhex(state["tools"])
-        thread = Thread(call_id, messages, tools, array("i", prompt_ids), answers)
+        thread = Thread(call_id, messages, tools, prompt_ids, answers)
         self.cache[session_id] = _joined(self.cache.get(session_id, ()), thread)
 
     def restore(self, session_id: str, calls: list[ThreadRecord]) -> tuple[Thread, ...]:
@@ -350,7 +353,7 @@ class Threads:
             return self._unrendered(upstream, eot)
         if eot in answer.sampled[:-1]:
             return Plan(None, f"the answer holds the end-of-turn token {eot} before its end")
-        sequence = thread.prompt_ids.tolist() + answer.sampled.tolist()
+        sequence = thread.prompt_ids + answer.sampled  # arrays: no id made a Python int
         closed = bool(answer.sampled) and answer.sampled[-1] == eot
         # The answer's end of turn is the n-th: its last sampled token (checked above: no other is
         # one), or the template's when it was cut before sampling one. numpy: 5 us at 30k ids.
@@ -366,7 +369,7 @@ class Threads:
             )
             if isinstance(made, str):
                 return self._unrendered(upstream, made)
-            sequence += made  # the list is its own: no copy
+            sequence.extend(made)
         first = thread.continued.setdefault(thread.answers.index(answer), call_id)
         fork = None if first == call_id else f"a fork: call {first} continued this answer first"
         continues = {"call": thread.call_id, "choice": thread.answers.index(answer)}
@@ -380,12 +383,14 @@ NOT_BRIDGED = "the upstream did not bridge the thread (its log says why)"
 NO_END_OF_TURN = "the chat template closes no assistant turn with a token of its own"
 
 
-def took(planned: list[int] | None, prompt: list[int] | None, bridged: bool) -> bool:
+def took(planned: array[int] | None, prompt: array[int], bridged: bool) -> bool:
     """Whether the upstream's prompt is the one token-in planned: the same ids, or when the
-    upstream bridged, the thread's ids and more."""
-    if planned is None or prompt is None:
+    upstream bridged, the thread's ids and more (compared as numpy views: no copy)."""
+    if planned is None or (bridged and len(prompt) <= len(planned)):
         return False
-    return len(prompt) > len(planned) and prompt[: len(planned)] == planned if bridged else prompt == planned
+    if not bridged:
+        return prompt == planned
+    return bool(np.array_equal(np.frombuffer(prompt, np.intc)[: len(planned)], np.frombuffer(planned, np.intc)))
 
 
 async def render(upstream: Upstream, body: dict[str, Any], generation: bool = True) -> list[int] | str:

@@ -7,6 +7,7 @@ These frozen dataclasses are the contract between the proxy (which fills them), 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
@@ -46,7 +47,8 @@ class CallRecord:
     ok: bool
     http_status: int
     error: str | None
-    prompt_token_ids: list[int]
+    # A list as read back; the proxy records the array its capture made (packed as it is).
+    prompt_token_ids: Sequence[int]
     completions: list[Completion]
     policy_version: str | None
     policy_version_end: str | None

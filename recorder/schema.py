@@ -13,7 +13,7 @@ import hashlib
 import json
 import sys
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,9 @@ def _episode_columns(conn: Connection) -> None:
             conn.execute(text(f"UPDATE sessions SET {sets} WHERE id = :id"), {**values, "id": session_id})
 
 
-def pack(values: list[int] | list[float], typecode: str) -> bytes:
+def pack(values: Sequence[int] | Sequence[float], typecode: str) -> bytes:
+    if isinstance(values, array) and values.typecode == typecode and sys.byteorder == "little":
+        return values.tobytes()  # the proxy's prompt ids: an array already, no value at a time
     packed = array(typecode, values)
     if sys.byteorder == "big":
         packed.byteswap()

@@ -163,7 +163,7 @@ def _why_break(call: CallRecord, previous: _Chain, prompts: set[tuple[int, ...]]
     if k == 0:
         return Break(call.seq, "no common prefix", 0)
     window = slice(max(0, k - WINDOW), k + WINDOW)
-    return Break(call.seq, "prefix diverges", k, previous.ids[window], prompt[window])
+    return Break(call.seq, "prefix diverges", k, previous.ids[window], list(prompt[window]))
 
 
 def assemble(

@@ -36,12 +36,16 @@ def _choice(stream: bool, index: int, text: str, token_ids: list[int], finish: s
     return body
 
 
-def render(messages: list[Any]) -> list[int]:
+def render(messages: list[Any], bytes_a_token: int | None = None) -> list[int]:
     """The stub's chat template: a start token, then per message a few ids its text decides and
-    the end-of-turn token 2 (as sampled answers end), then the generation prompt's token 3."""
+    the end-of-turn token 2 (as sampled answers end), then the generation prompt's token 3. With
+    `bytes_a_token`, a message also makes an id for every that many bytes of its text, as a real
+    tokenizer's count grows with the text."""
     ids = [1]
     for message in messages:
         text = orjson.dumps(message.get("content") if isinstance(message, dict) else message)
+        if bytes_a_token:
+            ids += [200 + byte for byte in text[::bytes_a_token]]
         ids += [200 + len(text) % 700, 200 + sum(text) % 700, 2]
     return [*ids, 3]
 
@@ -63,6 +67,7 @@ def stub_app(
     tool_calls: list[tuple[str, str]] | None = None,
     tokenize: bool = True,
     bridges: bool = True,
+    bytes_a_token: int | None = None,
 ) -> FastAPI:
     """Faults: `first_latency` is how long the first chat call takes (the others `latency`);
     `drop_token_ids_at` is the stream chunk sent without its token ids; at `break_at`
@@ -78,7 +83,8 @@ def stub_app(
     first delta, its arguments in pieces after, one token a chunk. It renders chats as `render`
     says (`POST /tokenize`, unless `tokenize` is false) and takes token-in prompts
     (`kv_transfer_params.prompt_token_ids`) as vLLM does, and unless `bridges` is false makes
-    token-in's bridges as rl-proxy's vLLM plugin does (proxy/bridge.py). `renderings` counts its
+    token-in's bridges as rl-proxy's vLLM plugin does (proxy/bridge.py); `bytes_a_token` makes
+    prompts as long as real ones (`render`). `renderings` counts its
     `/tokenize` calls. With `answers`, a scripted model: an
     answer's text is the conversation's nth (n: its assistant messages so far; the last one
     after), whole or streamed; with `tool_calls` too, a stream's first answer is those calls;
@@ -93,7 +99,7 @@ def stub_app(
         if provider_key is not None or not tokenize:  # another provider: no such route
             return Response(orjson.dumps({"detail": "Not Found"}), 404)
         app.state.renderings += 1
-        tokens = render((orjson.loads(await request.body())).get("messages") or [])
+        tokens = render((orjson.loads(await request.body())).get("messages") or [], bytes_a_token)
         return Response(orjson.dumps({"tokens": tokens, "count": len(tokens)}), media_type="application/json")
 
     @app.get("/v1/models")
@@ -113,12 +119,12 @@ def stub_app(
         served.append(1)
         await asyncio.sleep(first_latency if first_latency is not None and first else latency)
         given = body.get("kv_transfer_params") or {}
-        prompt = given.get("prompt_token_ids") or render(body.get("messages") or [])  # token-in, as vLLM takes it
+        prompt = given.get("prompt_token_ids") or render(body.get("messages") or [], bytes_a_token)  # token-in, as vLLM
         if bridges and given.get(KEY):
             thread = given[KEY]
 
             async def history() -> list[int]:
-                return render(body["messages"][: thread["echoed"]])
+                return render(body["messages"][: thread["echoed"]], bytes_a_token)
 
             made = await bridge(prompt, thread, history)
             prompt = prompt if isinstance(made, str) else thread["prefix"] + made
@@ -248,9 +254,10 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--latency", type=float, default=0.0)
     parser.add_argument("--no-bridges", action="store_true", help="token-in's bridges are cut by the proxy")
+    parser.add_argument("--bytes-a-token", type=int, help="prompts as long as real ones: an id per that many bytes")
     args = parser.parse_args()
     uvicorn.run(
-        stub_app(args.latency, bridges=not args.no_bridges),
+        stub_app(args.latency, bridges=not args.no_bridges, bytes_a_token=args.bytes_a_token),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",

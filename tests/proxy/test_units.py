@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from benchmarks.support.samples import call
 from proxy import heap
 from proxy import upstream as upstream_module
-from proxy.capture import Capture, client_view
+from proxy.capture import Capture, client_view, parse_answer
 from proxy.errors import UpstreamUnreachable
 from proxy.server import AppThread
 from proxy.sessions import forced_tool_choice, parse_key
@@ -104,7 +104,7 @@ def test_stream_capture_assembles_tool_calls_and_tokens() -> None:
     for chunk in chunks:
         capture.add_chunk(chunk)
     [completion] = capture.completions()
-    assert capture.prompt_token_ids == [1, 2, 3]
+    assert capture.prompt_token_ids.tolist() == [1, 2, 3]
     assert completion.token_ids == [10, 11, 12, 2]
     assert completion.logprobs == [-1.0, -2.0, -0.5, -0.1]
     assert completion.finish_reason == "tool_calls"
@@ -126,7 +126,7 @@ def test_text_completion_capture() -> None:
         "finish_reason": "length",
     }
     capture.add_response({"choices": [choice]})
-    assert capture.prompt_token_ids == [5, 6]
+    assert capture.prompt_token_ids.tolist() == [5, 6]
     assert capture.completions()[0].logprobs == [-0.25]
 
 
@@ -138,6 +138,70 @@ def test_client_view_nulls_only_what_was_not_asked() -> None:
     }
     chunk = {"choices": [{"delta": {}, "logprobs": {"content": [{"logprob": -1}]}}]}
     assert client_view(chunk, keep_tokens=True, keep_logprobs=False) == {"choices": [{"delta": {}, "logprobs": None}]}
+
+
+def _lists(value: Any) -> Any:
+    """`value` with parse_answer's arrays made lists, to compare with orjson's parse."""
+    if isinstance(value, array):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    return [_lists(v) for v in value] if isinstance(value, list) else value
+
+
+IDS = st.lists(st.integers(0, 2**31 - 1), max_size=40)
+NOT_IDS = st.lists(
+    st.one_of(st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.text(max_size=3)), min_size=1, max_size=4
+)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=20), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(
+    top=st.one_of(st.none(), IDS, NOT_IDS),
+    in_choices=st.lists(st.one_of(st.none(), IDS, NOT_IDS), max_size=3),
+    nested=st.one_of(st.none(), IDS),
+    noise=st.dictionaries(st.sampled_from(["content", "model", "prompt_token_ids:", "x"]), JSON, max_size=3),
+)
+def test_an_answers_prompt_ids_are_parsed_as_orjson_parses_them(
+    top: Any, in_choices: list[Any], nested: Any, noise: dict[str, Any]
+) -> None:
+    """parse_answer reads prompt ids from the answer's bytes without a Python int each: what it
+    gives is what orjson gives, with the answer's and its choices' ids as arrays; ids anywhere
+    else, or values that are not ids, or the key's text inside a string, leave plain JSON."""
+    choices: list[Any] = [
+        {"index": i, **({} if ids is None else {"prompt_token_ids": ids})} for i, ids in enumerate(in_choices)
+    ]
+    body: dict[str, Any] = {**noise, "choices": choices, "text": '"prompt_token_ids":[1,2]'}
+    if top is not None:
+        body["prompt_token_ids"] = top
+    if nested is not None:
+        body["kv_transfer_params"] = {"prompt_token_ids": nested}
+    raw = orjson.dumps(body)
+    parsed = parse_answer(raw)
+    assert _lists(parsed) == orjson.loads(raw)
+    given = [ids for ids in (top, *in_choices) if ids is not None]
+    as_ids = nested is None and all(all(isinstance(x, int) and 0 <= x < 2**31 for x in ids) for ids in given)
+    arrays = [h for h in (parsed, *parsed["choices"]) if isinstance(h.get("prompt_token_ids"), array)]
+    assert len(arrays) == (len(given) if as_ids else 0)  # all of them, or plain JSON whole
+
+
+def test_an_answers_prompt_ids_as_vllm_writes_them() -> None:
+    ids = list(range(100_000, 230_000, 7))
+    raw = orjson.dumps({"id": "c", "choices": [{"index": 0, "token_ids": [5]}], "prompt_token_ids": ids})
+    parsed = parse_answer(raw)
+    assert isinstance(parsed["prompt_token_ids"], array) and parsed["prompt_token_ids"].tolist() == ids
+    capture = Capture()
+    capture.add_response(parsed)
+    assert capture.prompt_token_ids is parsed["prompt_token_ids"]  # kept, not copied
+    assert client_view(parsed, keep_tokens=True, keep_logprobs=False)["prompt_token_ids"] == ids  # a list again
+    spaced = raw.replace(b'"prompt_token_ids":[', b'"prompt_token_ids": [')  # not vLLM's: plain JSON
+    assert parse_answer(spaced)["prompt_token_ids"] == ids
+    for not_ids in ([1.5, 2], [2, 1.0], [-1], [2**31], [7, "8"]):  # plain JSON: numpy would read some as ids
+        assert parse_answer(orjson.dumps({"prompt_token_ids": not_ids}))["prompt_token_ids"] == not_ids
 
 
 def test_recent_responses_drop_the_least_recently_used() -> None:
@@ -328,12 +392,15 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
     ):
         threads = Threads()
         answers = [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), finish)]
-        threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), prompt, answers)
+        threads.add(
+            "s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), array("i", prompt), answers
+        )
         follow = {
             "model": "m",
             "messages": [*ask, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
         }
-        assert await threads.plan(upstream, "s", follow) == Plan(expected, None, None, {"call": "c1", "choice": 0})
+        plan = await threads.plan(upstream, "s", follow)
+        assert plan == Plan(array("i", expected), None, None, {"call": "c1", "choice": 0})
         other = {
             **follow,
             "messages": [*ask, {"role": "assistant", "content": "not ok"}, {"role": "user", "content": "more"}],
@@ -347,7 +414,9 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
     for sampled, why in (([80, E, 81, E], "before its end"), ([80, 81, 81], "renders the conversation with 2")):
         threads = Threads()
         answers = [Answer({"role": "assistant", "content": "ok"}, array("i", sampled), "stop")]
-        threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), [*prompt, E], answers)
+        threads.add(
+            "s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), array("i", [*prompt, E]), answers
+        )
         assert why in str((await threads.plan(upstream, "s", follow)).why)
     assert histories == [follow["messages"][:2]]  # the answer that holds the end-of-turn token is refused first
     # A rendering whose last token is the end-of-turn token closing the echoed answer, or that
@@ -356,7 +425,9 @@ async def test_token_in_bridges_after_the_echoed_answer(monkeypatch: Any) -> Non
         rendered[:] = cut
         threads = Threads()
         answers = [Answer({"role": "assistant", "content": "ok"}, array("i", [80, 81, E]), "stop")]
-        threads.add("s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), prompt, answers)
+        threads.add(
+            "s", "c1", thread_state({"model": "m", "messages": ask}, answers, None), array("i", prompt), answers
+        )
         why = (await threads.plan(upstream, "s", follow)).why
         assert "has no end-of-turn token 2 after the echoed answer" in str(why)
 
@@ -498,7 +569,8 @@ async def test_a_thread_read_back_is_continued_though_the_cache_cannot_hold_it()
         threads = Threads(budget)
         threads.end_of_turn[tools_key({**body, "tools": None}) + b"m"] = 2
         plan = await threads.plan(upstream, "s", body, "c2", recorded)
-        assert (plan.prompt_ids, plan.continues) == ([1, 5, 7, 2], {"call": "c1", "choice": 0}), (budget, plan)
+        assert plan.prompt_ids is not None, (budget, plan)
+        assert (plan.prompt_ids.tolist(), plan.continues) == ([1, 5, 7, 2], {"call": "c1", "choice": 0}), budget
 
 
 def test_vllm_on_a_cpu_without_bf16_instructions_serves_float32(
@@ -536,7 +608,9 @@ def test_the_thread_cache_counts_what_its_threads_hold() -> None:
                     message = {"role": "assistant", "content": f"The sum is {turn + session}, so far."}
                 answers = [Answer(message, array("i", range(1000, 1040)), "tool_calls")]
                 state = thread_state({"messages": messages}, answers, None)
-                threads.add(f"session-{session}", f"call-{session}-{turn}", state, list(range(60 * turn + 80)), answers)
+                threads.add(
+                    f"session-{session}", f"call-{session}-{turn}", state, array("i", range(60 * turn + 80)), answers
+                )
                 messages = [*messages, message, {"role": "tool", "tool_call_id": tool_call["id"], "content": "5"}]
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
