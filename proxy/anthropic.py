@@ -274,7 +274,7 @@ def _relay(
     events = _MessageEvents(model, tool_map)
 
     async def translated() -> AsyncIterator[bytes]:
-        async for chunk in upstream_chunks(resp, data):
+        async for chunk in upstream_chunks(call, resp, data):
             capture.add_chunk(chunk)
             for event in events.add(chunk):
                 yield event

@@ -25,13 +25,17 @@ MAX_ID = 2**31 - 1  # what the store's packed ids hold
 LEFT_TO_CHAT = ("assembled_from_stream", "prompt_token_ids")
 
 
-def parse_answer(raw: bytes) -> Any:
+Sent = tuple[bytes, "array[int]"]  # the prompt's ids token-in sent: as JSON (without brackets), as an array
+
+
+def parse_answer(raw: bytes, sent: Sent | None = None) -> Any:
     """An upstream's answer or stream chunk: `orjson.loads(raw)`, except that a `prompt_token_ids`
     of the answer or of one of its choices comes back as an array of ids, read from its bytes by
-    numpy. An agent's prompt holds tens of thousands of ids, and a Python int made for each, then
-    packed again, was the largest part of the proxy's work on a long call (docs/benchmarks.md,
-    "Agent-sized calls"). Ids found anywhere else, or not plain non-negative integers, leave the
-    answer parsed as plain JSON."""
+    numpy; those that repeat `sent` byte for byte are taken from it, unread. An agent's prompt
+    holds tens of thousands of ids, and a Python int made for each, then packed again, was the
+    largest part of the proxy's work on a long call (docs/benchmarks.md, "Agent-sized calls").
+    Ids found anywhere else, or not plain non-negative integers, leave the answer parsed as
+    plain JSON."""
     if PROMPT_IDS not in raw:
         return orjson.loads(raw)
     pieces: list[bytes] = []
@@ -40,7 +44,7 @@ def parse_answer(raw: bytes) -> Any:
     while (at := raw.find(PROMPT_IDS, start)) >= 0:
         begin = at + len(PROMPT_IDS)
         end = raw.find(b"]", begin)
-        ids = _ids(raw[begin:end]) if end >= 0 else None
+        ids = _ids(raw, begin, end, sent) if end >= 0 else None
         if ids is None:
             return orjson.loads(raw)
         pieces += [raw[start:begin], str(len(found)).encode()]  # a placeholder: the ids' index
@@ -57,10 +61,15 @@ def parse_answer(raw: bytes) -> Any:
     return data if placed == len(found) else orjson.loads(raw)
 
 
-def _ids(text: bytes) -> array[int] | None:
-    """Comma-separated token ids as an array, or None if they are not all plain ids."""
+def _ids(raw: bytes, begin: int, end: int, sent: Sent | None) -> array[int] | None:
+    """The comma-separated token ids of `raw[begin:end]` as an array, or None if they are not all
+    plain ids. When they start with `sent`'s, whole, those are copied from its array."""
+    ids = array("i")
+    if sent is not None and sent[0] and raw.startswith(sent[0], begin) and raw[begin + len(sent[0])] in b",]":
+        ids, begin = array("i", sent[1]), begin + len(sent[0]) + 1
+    text = raw[begin:end]
     if not text.strip():
-        return array("i")
+        return ids
     if text.translate(None, b"0123456789, "):  # numpy would read 1.5 as 1, and -1 as an id
         return None
     try:  # numpy stops at a value it cannot read (a warning, or an error under -W error)
@@ -69,7 +78,6 @@ def _ids(text: bytes) -> array[int] | None:
         return None
     if len(values) != text.count(b",") + 1 or values.max() > MAX_ID:
         return None
-    ids = array("i")
     ids.frombytes(values.astype(np.intc).tobytes())
     return ids
 

@@ -21,7 +21,7 @@ import anyio
 import orjson
 from fastapi import Request
 
-from proxy.capture import Capture, as_chunks, parse_answer
+from proxy.capture import Capture, Sent, as_chunks, parse_answer
 from proxy.errors import (
     BadRequest,
     BodyTimeout,
@@ -168,6 +168,7 @@ class Call:
         self.keys: Keys | None = None  # its messages' digests, made once for the plan and the record
         self.prompt_ids: array[int] | None = None  # the prompt token-in built (its start, when `bridged`)
         self.bridged = False  # the upstream was sent the thread to bridge (proxy/bridge.py)
+        self.sent: Sent | None = None  # the prompt's ids as sent, which the answer's are read against
         self.thread_start: str | None = None
         self.continues: dict[str, Any] | None = None  # the call and choice token-in continues
         self.model: str | None = None  # the served model the upstream was asked for (open_upstream)
@@ -200,6 +201,7 @@ class Call:
         self.bridged = plan.thread is not None
         if plan.prompt_ids is not None:
             body["kv_transfer_params"] = plan.kv_transfer_params()
+            self.sent = plan.ids_json[1:-1], plan.prompt_ids
 
     async def recorded_threads(self) -> list[ThreadRecord]:
         """The session's recorded threads. A read that fails (a connection cut, the database
@@ -460,16 +462,16 @@ async def open_upstream(call: Call, path: str, body: dict[str, Any]) -> tuple[ai
     if call.upstream_stream:
         return resp, None
     try:
-        return resp, parse_answer(raw)
+        return resp, parse_answer(raw, call.sent)
     except orjson.JSONDecodeError as exc:
         await call.commit(call.record(Capture(), None, 502, "upstream answered with invalid JSON"))
         raise UpstreamUnreachable(f"upstream answered with invalid JSON: {exc}") from exc
 
 
-def upstream_chunks(resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[dict[str, Any]]:
+def upstream_chunks(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator[dict[str, Any]]:
     """A streamed call's chunks: the upstream's stream, or the whole answer it was asked for
     instead (after a stream lost token ids) as the chunks that carry it."""
-    return stream_chunks(resp) if data is None else _replay(as_chunks(data))
+    return stream_chunks(resp, call.sent) if data is None else _replay(as_chunks(data))
 
 
 async def _replay(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
@@ -481,7 +483,7 @@ class StreamBroken(Exception):
     """The upstream stream failed or ended before `[DONE]`."""
 
 
-async def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+async def stream_chunks(resp: aiohttp.ClientResponse, sent: Sent | None) -> AsyncIterator[dict[str, Any]]:
     """The upstream's SSE chunks as dicts, until `[DONE]`; StreamBroken if it never comes."""
     try:
         async for line in resp.content:
@@ -490,7 +492,7 @@ async def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str,
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 return
-            chunk = parse_answer(payload)
+            chunk = parse_answer(payload, sent)
             if "error" in chunk:
                 raise StreamBroken(str(chunk["error"].get("message", chunk["error"])))
             yield chunk

@@ -135,7 +135,7 @@ def _relay(
     capture = Capture()
 
     async def events() -> AsyncIterator[bytes]:
-        async for chunk in upstream_chunks(resp, data):
+        async for chunk in upstream_chunks(call, resp, data):
             capture.add_chunk(chunk)
             if not keep_usage:
                 if not chunk.get("choices") and chunk.get("usage"):

@@ -342,7 +342,7 @@ def _relay(call: Call, resp: aiohttp.ClientResponse, data: Any) -> AsyncIterator
     async def translated() -> AsyncIterator[bytes]:
         for event in events.start():
             yield event
-        async for chunk in upstream_chunks(resp, data):
+        async for chunk in upstream_chunks(call, resp, data):
             capture.add_chunk(chunk)
             for event in events.add(chunk):
                 yield event

@@ -150,11 +150,18 @@ class Plan:
     continues: dict[str, Any] | None = None  # the call and choice it continues: {"call": call_id, "choice": i}
     thread: dict[str, Any] | None = None  # what the upstream makes the bridge from, if it does
 
+    @cached_property
+    def ids_json(self) -> bytes:
+        """The prompt's ids as JSON, written by orjson from a numpy view, with no Python int made
+        for each (an agent's prompt holds tens of thousands: docs/benchmarks.md, "Agent-sized
+        calls"). Sent as they are, and the start the upstream's answer is read against
+        (capture.parse_answer)."""
+        assert self.prompt_ids is not None
+        return orjson.dumps(np.frombuffer(self.prompt_ids, np.intc), option=orjson.OPT_SERIALIZE_NUMPY)
+
     def kv_transfer_params(self) -> dict[str, Any]:
-        """How vLLM's Chat Completions is given the prompt: its ids, or the thread to bridge. The
-        ids as a numpy view, which orjson writes without making each a Python int
-        (`Upstream.send`): an agent's prompt holds tens of thousands (docs/benchmarks.md)."""
-        ids = None if self.prompt_ids is None else np.frombuffer(self.prompt_ids, np.intc)
+        """How vLLM's Chat Completions is given the prompt: its ids, or the thread to bridge."""
+        ids = orjson.Fragment(self.ids_json)
         if self.thread is None:
             return {"prompt_token_ids": ids}
         return {KEY: {**self.thread, "prefix": ids}}

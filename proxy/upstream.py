@@ -221,7 +221,7 @@ class Upstream:
     ) -> aiohttp.ClientResponse:
         """Start one request (to `/v1{path}`, or `{path}` at the server root); the caller reads (or
         streams) and releases the response. Connection trouble becomes a named proxy error."""
-        data = None if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)  # token-in's ids
+        data = None if body is None else orjson.dumps(body)
         headers = {"Content-Type": "application/json"} if body is not None else None
         url = f"{self.root if at_root else self.base_url}{path}"
         try:

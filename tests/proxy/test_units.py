@@ -202,6 +202,10 @@ def test_an_answers_prompt_ids_as_vllm_writes_them() -> None:
     assert parse_answer(spaced)["prompt_token_ids"] == ids
     for not_ids in ([1.5, 2], [2, 1.0], [-1], [2**31], [7, "8"]):  # plain JSON: numpy would read some as ids
         assert parse_answer(orjson.dumps({"prompt_token_ids": not_ids}))["prompt_token_ids"] == not_ids
+    # What token-in sent is taken as sent where the answer repeats it byte for byte, and only there.
+    for sent in ([], ids[:500], ids, [*ids[:499], 1], [ids[0] // 10], [*ids, 5]):
+        json = orjson.dumps(sent)[1:-1]
+        assert parse_answer(raw, (json, array("i", sent)))["prompt_token_ids"].tolist() == ids, sent[-1:]
 
 
 def test_recent_responses_drop_the_least_recently_used() -> None:
