@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import string
 import sys
@@ -120,6 +121,7 @@ def main() -> None:
     stub_cmd += ["--bytes-a-token", str(BYTES_A_TOKEN)]
     stub = f"http://127.0.0.1:{port}/v1"
     with ExitStack() as stack:
+        stack.callback(shutil.rmtree, work)
         stack.enter_context(process(stub_cmd, f"{stub}/models", work / "stub.log"))
         proxies = {
             mode: stack.enter_context(proxy(stub, str(work / f"{n}.db"), work / f"proxy-{n}.log", *options))
@@ -132,6 +134,7 @@ def main() -> None:
                 for turn, figures in seen.items():
                     found[mode][turn].append(figures)
             print(f"  session {s + 1}/{args.sessions} done", file=sys.stderr, flush=True)
+        stored = {mode: sum(f.stat().st_size for f in work.glob(f"{n}.db*")) for n, mode in enumerate(modes)}
     print(
         f"\nThe proxy's CPU on one call of a coding agent's conversation, by its length (STUB upstream, "
         f"an id per {BYTES_A_TOKEN} bytes; medians of {args.sessions} sessions)\n\n"
@@ -148,6 +151,9 @@ def main() -> None:
                 f"| {turn} | {median('kb'):.0f} | {median('tokens'):,.0f} | {mode} | {median('cpu'):.2f} "
                 f"| {median('loop'):.2f} | {median('added'):.2f} |"
             )
+    print(f"\nThe store, MB a session of {args.turns} turns (each call's request and prompt ids kept whole):")
+    for mode, size in stored.items():
+        print(f"- {mode}: {size / args.sessions / 1e6:.0f}")
 
 
 if __name__ == "__main__":
