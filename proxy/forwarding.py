@@ -197,8 +197,7 @@ class Call:
             plan = Plan(None, f"the token-in prompt ({len(plan.prompt_ids)} tokens) fills the context")
         why = plan.why or plan.fork
         self.prompt_ids, self.thread_start = plan.prompt_ids, why and why[:256]  # the column's width
-        self.continues = plan.continues
-        self.bridged = plan.thread is not None
+        self.continues, self.bridged = plan.continues, plan.thread is not None
         if plan.prompt_ids is not None:
             body["kv_transfer_params"] = plan.kv_transfer_params()
             self.sent = plan.ids_json[1:-1], plan.prompt_ids

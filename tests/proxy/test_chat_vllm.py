@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from array import array
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from benchmarks.support.samples import ADD_TOOL, FORCE_ADD
 from benchmarks.support.stack import RunningProxy, Upstream, direct_chat
+from proxy.capture import parse_answer
 
 pytestmark = pytest.mark.vllm
 
@@ -41,6 +43,19 @@ def test_recorded_tokens_equal_what_vllm_returned(proxy: RunningProxy, vllm: Ups
     assert completion.finish_reason == raw["choices"][0]["finish_reason"]
     assert call.request["messages"] == ASK
     assert call.response is not None and call.response["id"] == raw["id"]
+
+
+def test_vllm_writes_prompt_ids_as_the_proxy_reads_them_without_an_int_each(vllm: Upstream) -> None:
+    """parse_answer reads an answer's prompt ids from its bytes (proxy/capture.py) only as vLLM
+    writes them; another form is parsed as plain JSON, correct but an int at a time (several ms a
+    long agent call). So a vLLM that writes them otherwise fails here, whole and streamed."""
+    body = {"model": vllm.model, "messages": ASK, "max_tokens": 4, "return_token_ids": True, "logprobs": True}
+    whole = httpx.post(f"{vllm.url}/chat/completions", json=body, timeout=120).content
+    with httpx.stream("POST", f"{vllm.url}/chat/completions", json=body | {"stream": True}, timeout=120) as resp:
+        first = next(line for line in resp.iter_lines() if line.startswith("data:"))
+    for raw in (whole, first.removeprefix("data:").strip().encode()):
+        ids = parse_answer(raw)["prompt_token_ids"]
+        assert isinstance(ids, array) and ids.tolist() == json.loads(raw)["prompt_token_ids"], raw[:200]
 
 
 def test_client_that_asks_nothing_sees_plain_vllm_answer(proxy: RunningProxy, vllm: Upstream) -> None:
