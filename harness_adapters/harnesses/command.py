@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness_adapters.harnesses.base import (
     OUTPUT_CHARS,
@@ -62,6 +62,22 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+async def _start(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
+    """`asyncio.create_subprocess_exec`, whose whole process group is killed if the episode is
+    cancelled while it starts (Ctrl-C, SIGTERM): asyncio then kills only the process it started,
+    the supervisor, and a harness that had started under it ran on (`collect` stopped by SIGTERM
+    as its episodes started left both harnesses running, seen in a CI run)."""
+    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(*argv, **options))
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        with contextlib.suppress(OSError):
+            proc = await starting
+            _kill_group(proc.pid)
+            await proc.wait()
+        raise
+
+
 @dataclass
 class CommandAdapter:
     """Any CLI harness: `argv`, `env` and `files` (path -> content, in the workdir) are templates
@@ -108,8 +124,8 @@ class CommandAdapter:
         # (an agent's `rm -rf *` did, and the missing file crashed the whole training run).
         with open(log, "w+b") as err_file, open(out, "w+b") as out_file:
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    *supervised(argv),
+                proc = await _start(
+                    supervised(argv),
                     cwd=workdir,
                     env=env,
                     stdin=asyncio.subprocess.DEVNULL,
