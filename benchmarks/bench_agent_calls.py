@@ -1,7 +1,7 @@
 """The proxy's own CPU on agent-sized calls (`make bench-agent-calls`): one client continues a
 coding agent's conversation through `rl-proxy serve` for `--turns` turns (a user or tool text of
 about 2.8 KB a turn, then the model's answer), in front of the STUB upstream (not vLLM) making
-prompts as long as a real template's (an id per 4 bytes of text: 135k ids at 160 turns) and
+prompts as long as a real template's (an id per 4 bytes of text: 118k ids at 160 turns) and
 bridging token-in's threads as rl-proxy's vLLM plugin does. At each sampled turn, the CPU the
 proxy's process spent on that one call (every thread's, and its event loop's alone, from
 /proc's per-thread schedstat, in ns) and the time it added over the same request sent directly
