@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from harness_adapters.harnesses.base import Endpoint, Outcome, command_env, load_callable, template_values
+from harness_adapters.harnesses.command import kill_group, start_process, supervised
 from harness_adapters.tasks import Task
 
 JUDGE_PROMPT = """You grade an AI agent's work. Rubric:
@@ -97,19 +98,24 @@ class CommandReward(RewardSource):
         self, task: Task, outcome: Outcome, endpoint: Endpoint, workdir: Path, posted: float | None
     ) -> float:
         argv = [arg.format_map(template_values(task, endpoint, workdir)) for arg in self.command]
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
+        # In a process group of its own, under the harness's supervisor: at the timeout, or when
+        # the episode is cancelled, the whole group is killed, a test runner it started included.
+        proc = await start_process(
+            supervised(argv),
             cwd=workdir,
             env=command_env(),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), self.timeout)
         except TimeoutError:
-            proc.kill()
             raise RewardError(f"reward command timed out after {self.timeout:g} s") from None
+        finally:
+            kill_group(proc.pid)
+            await proc.wait()
         lines = out.decode(errors="replace").strip().splitlines()
         try:
             return float(lines[-1]) if lines else float(proc.returncode == 0)

@@ -57,12 +57,12 @@ def supervised(argv: list[str]) -> list[str]:
     return [sys.executable, "-I", "-c", SUPERVISOR, str(os.getpid()), *argv]  # -I: no module of the workdir
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
 
 
-async def _start(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
+async def start_process(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
     """`asyncio.create_subprocess_exec`, whose whole process group is killed if the episode is
     cancelled while it starts (Ctrl-C, SIGTERM): asyncio then kills only the process it started,
     the supervisor, and a harness that had started under it ran on (`collect` stopped by SIGTERM
@@ -73,7 +73,7 @@ async def _start(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
     except asyncio.CancelledError:
         with contextlib.suppress(OSError):
             proc = await starting
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             await proc.wait()
         raise
 
@@ -124,7 +124,7 @@ class CommandAdapter:
         # (an agent's `rm -rf *` did, and the missing file crashed the whole training run).
         with open(log, "w+b") as err_file, open(out, "w+b") as out_file:
             try:
-                proc = await _start(
+                proc = await start_process(
                     supervised(argv),
                     cwd=workdir,
                     env=env,
@@ -145,7 +145,7 @@ class CommandAdapter:
                     os.killpg(proc.pid, signal.SIGTERM)
                     await asyncio.wait_for(proc.wait(), self.grace)
             finally:
-                _kill_group(proc.pid)  # children it left behind, or all of it after a timeout
+                kill_group(proc.pid)  # children it left behind, or all of it after a timeout
                 await proc.wait()
             output = tail(out_file, OUTPUT_CHARS)
             if error and status == "failed":

@@ -30,7 +30,7 @@ from harness_adapters.harnesses import (
     PythonAdapter,
     load_callable,
 )
-from harness_adapters.rewards import CommandReward, HarnessReward, JudgeReward, PythonReward, RewardSource
+from harness_adapters.rewards import CommandReward, HarnessReward, JudgeReward, PythonReward, RewardError, RewardSource
 from harness_adapters.runner import EpisodeResult, EpisodeRunner
 from harness_adapters.tasks import Task, load_tasks
 from proxy.server import AppThread
@@ -227,11 +227,52 @@ def test_an_episode_cancelled_as_its_harness_starts_leaves_no_harness_process(
             await episode
 
     asyncio.run(cancelled())
-    status = Path(f"/proc/{int((tmp_path / 'child.pid').read_text())}/status")
+    _gone(tmp_path / "child.pid")
+
+
+def _gone(pid_file: Path) -> None:
+    """The process whose pid `pid_file` holds exits (or is a zombie) within 10 s."""
+    pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
-    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+    state = _state(pid)
+    while state not in ("gone", "Z") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not status.exists() or "State:\tZ" in status.read_text(), status.read_text()
+        state = _state(pid)
+    assert state in ("gone", "Z"), f"process {pid} still runs ({state})"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "gone"
+
+
+@pytest.mark.parametrize("end", ["timeout", "cancel"])
+def test_a_reward_command_ended_leaves_no_process_of_it(tmp_path: Path, end: str) -> None:
+    """A verifier command that outlives its timeout, or whose episode is cancelled, is killed
+    with what it started: only the process itself was killed at the timeout, nothing at a
+    cancel, and a test runner it had started ran on."""
+    reward = CommandReward(command=["sh", "-c", "sleep 300 & echo $! > child.pid; sleep 300"], timeout=2)
+
+    async def scored() -> None:
+        scoring = asyncio.create_task(
+            reward.score(Task("t", "p"), Outcome("ok"), Endpoint("http://127.0.0.1:9", "k", "m"), tmp_path, None)
+        )
+        if end == "timeout":
+            with pytest.raises(RewardError, match="timed out"):
+                await scoring
+            return
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "child.pid").is_file() or not (tmp_path / "child.pid").read_text().strip():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        scoring.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await scoring
+
+    asyncio.run(scored())
+    _gone(tmp_path / "child.pid")
 
 
 def test_a_runner_killed_outright_leaves_no_harness_process(tmp_path: Path) -> None:
