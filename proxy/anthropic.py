@@ -11,7 +11,6 @@ Model names and completion limits are fitted to the backend in forwarding.fit_to
 
 from __future__ import annotations
 
-import copy
 import uuid
 from collections.abc import AsyncIterator
 from functools import cache
@@ -93,8 +92,11 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], dict[
     for block in [b for content in contents if isinstance(content, list) for b in content]:
         if isinstance(block, dict) and block.get("type") in ("image", "document"):
             raise BadRequest(f"content blocks of type {block['type']!r} are not supported by this backend")
+    # litellm changes what it is given, and `body` is recorded: it gets a copy, made by orjson (a
+    # body read as JSON is JSON): 0.42 ms at 160 turns of an agent's history, deepcopy 2.36.
+    fresh = orjson.loads(orjson.dumps(body))
     try:
-        chat, tool_map = _adapter().translate_completion_input_params_with_tool_mapping(copy.deepcopy(body))
+        chat, tool_map = _adapter().translate_completion_input_params_with_tool_mapping(fresh)
     except refusals() as exc:
         raise BadRequest(f"cannot translate this Messages request: {exc}") from exc
     dropped = {name: chat.pop(name) for name in list(chat) if name not in CHAT_FIELDS}

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from benchmarks.support.samples import call
 from proxy import heap
 from proxy import upstream as upstream_module
+from proxy.anthropic import to_chat
 from proxy.capture import Capture, client_view, parse_answer
 from proxy.errors import UpstreamUnreachable
 from proxy.server import AppThread
@@ -517,6 +518,28 @@ def test_a_named_tool_choice_is_forced_only_where_offered_and_never_raises() -> 
     assert forced_tool_choice("echo", {"tools": [add]}) is None
     assert forced_tool_choice("add", {"tools": [{"function": "x"}, "y", None]}) is None
     assert forced_tool_choice("required", {"tools": [add]}) == "required" and forced_tool_choice("add", {}) is None
+
+
+def test_a_messages_request_translated_to_chat_is_left_as_the_client_sent_it() -> None:
+    """litellm's translator changes the request it is given, and the request is recorded as the
+    client sent it: `to_chat` translates a copy (made by orjson, not deepcopy: 0.4 against 2.4 ms
+    at 160 turns of an agent's history)."""
+    result = [{"type": "tool_result", "tool_use_id": "t1", "content": "total 0"}]
+    use = [{"type": "text", "text": "Listing."}, {"type": "tool_use", "id": "t1", "name": "bash", "input": {"c": "ls"}}]
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "system": [{"type": "text", "text": "You code.", "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "bash", "description": "run", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "ls"},
+            {"role": "assistant", "content": use},
+            {"role": "user", "content": result},
+        ],
+    }
+    sent = orjson.dumps(body)
+    chat, _, _ = to_chat(body)
+    assert orjson.dumps(body) == sent and chat["messages"][-1]["role"] == "tool"
 
 
 def test_threads_read_back_know_which_a_later_call_continued() -> None:
