@@ -3,8 +3,9 @@ proxy's event loop spends planning one call's prompt, in process, at agent-sized
 
 A session of `turns` turns (a user message, an assistant answer with a tool call, a tool result;
 about 3 KB and 760 tokens a turn, as a coding agent's) is held as a thread, and the next call
-(its echoed answer and one tool result more) is planned: the digests of every message of its
-history (`keys_of`), then `Threads.plan`, then the prompt dumped into the body forwarded to vLLM.
+(its echoed answer and one tool result more) is planned: its keys (`Threads.keys`: the history
+checked as the thread's, the new messages digested), then `Threads.plan`, then the prompt dumped
+into the body forwarded to vLLM.
 Both ways to cut the bridge: by the proxy, from the upstream's rendering as /tokenize answers it
 (JSON parsed; the round trip comes on top), or by vLLM with rl-proxy's plugin (the proxy sends the
 thread's ids and counts). The upstream is a STUB in process (it hands back a prepared /tokenize
@@ -80,13 +81,14 @@ async def plan_once(turns: int, repeats: int, bridges: bool) -> dict[str, float]
     upstream = StubUpstream(base_url="http://stub/v1", rendering=rendering, bridges=bridges)
     threads = Threads()
     answers = [Answer(answer, array("i", sampled), "tool_calls")]
-    state = thread_state({"model": "m", "messages": held}, answers, None)
-    threads.add("s", "c1", state, array("i", prompt), answers)
+    kept = keys_of({"model": "m", "messages": held})
+    state = thread_state({"model": "m", "messages": held}, answers, None, kept)
+    threads.add("s", "c1", state, array("i", prompt), answers, kept.whole)
     threads.end_of_turn[tools_key({**body, "tools": None}) + b"m"] = EOT
     times: dict[str, list[float]] = {"digests": [], "plan": [], "body": []}
     for _ in range(repeats):
         start = time.perf_counter()
-        keys = keys_of(body)
+        keys = threads.keys("s", body)
         digested = time.perf_counter()
         plan = await threads.plan(upstream, "s", body, "c2", keys=keys)
         planned = time.perf_counter()

@@ -39,7 +39,7 @@ from proxy.errors import (
 from proxy.sessions import force_sampling, parse_key, request_key
 from proxy.settings import Settings
 from proxy.state import ProxyState
-from proxy.threads import NOT_BRIDGED, NOT_TAKEN, THREADS_PER_SESSION, Answer, Keys, Plan, keys_of, thread_state, took
+from proxy.threads import NOT_BRIDGED, NOT_TAKEN, THREADS_PER_SESSION, Answer, Keys, Plan, thread_state, took
 from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.errors import StoreError
@@ -185,7 +185,7 @@ class Call:
         try:
             # A session's first call has nothing recorded to continue: no read on its hot path.
             recorded = self.recorded_threads if self.seq > 1 else None
-            self.keys = keys = keys_of(body)
+            self.keys = keys = self.state.threads.keys(self.session.id, body)
             plan = await self.state.threads.plan(self.upstream, self.session.id, body, self.call_id, recorded, keys)
         except Exception as exc:  # messages of a shape it cannot read, say: the call goes as messages
             log.warning("token-in could not plan call %s/%d: %r", self.session.id, self.seq, exc)
@@ -271,8 +271,8 @@ class Call:
             call_id=self.call_id,
         )
         if thread is not None:
-            state.threads.add(self.session.id, call.call_id, thread, capture.prompt_token_ids, answers)
-
+            whole = self.keys.whole if self.keys else None
+            state.threads.add(self.session.id, call.call_id, thread, capture.prompt_token_ids, answers, whole)
         state.observe(call)
         return call
 

@@ -79,9 +79,13 @@ def exact(message: dict[str, Any]) -> bytes:
     """A message of the history, whole: any edit of it (its whitespace, a `name`, a
     `tool_call_id`, an image part) means the model would see other tokens, so a new thread.
     Content of one text part is its text: vLLM renders the two alike, and Claude Code sends a
-    turn as a part, then as a string in its next call. Every call digests its whole history, so
-    a message is dumped once unless it names `cache_control` or holds one part (then copied)."""
-    data = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+    turn as a part, then as a string in its next call. A message is dumped once unless it names
+    `cache_control` or holds one part (then copied)."""
+    return _exact(message, orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+
+
+def _exact(message: dict[str, Any], data: bytes) -> bytes:
+    """`exact` of `message`, given its JSON with sorted keys."""
     hinted, content = b'"cache_control"' in data, message.get("content")
     if hinted or (isinstance(content, list) and len(content) == 1):
         canonical = _canonical(message) if hinted else dict(message)
@@ -127,6 +131,7 @@ class Thread:
     prompt_ids: array[int]  # 4 bytes a token
     answers: list[Answer]
     continued: dict[int, str] = field(default_factory=dict)  # answer index: the call (its id) that continued it first
+    whole: bytes | None = None  # Keys.whole of its messages: None read back from the store, or hinted
 
     @cached_property
     def size(self) -> int:
@@ -194,14 +199,32 @@ def tools_key(body: dict[str, Any]) -> bytes:
 @dataclass(frozen=True)
 class Keys:
     """What a thread is matched on and recorded with: `exact` of each message of a chat body, and
-    its `tools_key`. Made once a call (`Call.plan_prompt`), for `Threads.plan` and the record."""
+    its `tools_key`. Made once a call (`Threads.keys`), for `Threads.plan` and the record. `whole`:
+    a digest of the messages' JSON as one list (sorted keys), for the next call's `Threads.keys`;
+    None where a message names `cache_control` (a hint Claude Code moves, which `exact` drops)."""
 
     messages: list[bytes]
     tools: bytes
+    whole: bytes | None = None
+
+
+SORTED = orjson.OPT_SORT_KEYS
+HINT = b'"cache_control"'
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for m in body.get("messages") or [] if isinstance(m, dict)]
 
 
 def keys_of(body: dict[str, Any]) -> Keys:
-    return Keys([exact(m) for m in body.get("messages") or [] if isinstance(m, dict)], tools_key(body))
+    """The keys of a chat body, every message digested."""
+    messages = _messages(body)
+    dumped = [orjson.dumps(m, option=SORTED) for m in messages]
+    digests = [_exact(m, data) for m, data in zip(messages, dumped, strict=True)]
+    hinted = any(HINT in data for data in dumped)
+    # orjson's compact JSON of a list is its items' joined by commas (a test holds it to that)
+    whole = None if hinted else hashlib.blake2b(b"[" + b",".join(dumped) + b"]", digest_size=16).digest()
+    return Keys(digests, tools_key(body), whole)
 
 
 def thread_state(
@@ -244,13 +267,46 @@ class Threads:
         self.unrendering: set[str] = set()  # upstreams without /tokenize
 
     def add(
-        self, session_id: str, call_id: str | None, state: dict[str, Any], prompt_ids: array[int], answers: list[Answer]
+        self,
+        session_id: str,
+        call_id: str | None,
+        state: dict[str, Any],
+        prompt_ids: array[int],
+        answers: list[Answer],
+        whole: bytes | None = None,
     ) -> None:
         """A recorded call of the session: its `thread_state` (the digests made once, for the
-        record and for this), its prompt ids (kept, not copied: nothing changes them) and answers."""
+        record and for this), its prompt ids (kept, not copied: nothing changes them), answers,
+        and its keys' `whole`."""
         messages, tools = [bytes.fromhex(m) for m in state["messages"]], bytes.fromhex(state["tools"])
-        thread = Thread(call_id, messages, tools, prompt_ids, answers)
+        thread = Thread(call_id, messages, tools, prompt_ids, answers, whole=whole)
         self.cache[session_id] = _joined(self.cache.get(session_id, ()), thread)
+
+    def keys(self, session_id: str, body: dict[str, Any]) -> Keys:
+        """`keys_of(body)`, digesting only the messages after the session's newest thread when the
+        history is, as JSON, that thread's (its `whole`): digesting every message of every call was
+        half of what token-in cost a short chat call (docs/benchmarks.md, "Store throughput")."""
+        threads, messages = self.cache.get(session_id, ()), _messages(body)
+        held = threads[-1] if threads else None
+        n = len(held.messages) if held is not None else 0
+        # its last message first: a call continuing another thread (a subagent's) skips the pass
+        if held is None or held.whole is None or not 0 < n < len(messages):
+            return keys_of(body)
+        if exact(messages[n - 1]) != held.messages[-1]:
+            return keys_of(body)
+        start = orjson.dumps(messages[:n], option=SORTED)
+        running = hashlib.blake2b(start[:-1], digest_size=16)  # the list without its closing bracket
+        check = running.copy()
+        check.update(b"]")
+        if check.digest() != held.whole:
+            return keys_of(body)
+        later = [orjson.dumps(m, option=SORTED) for m in messages[n:]]
+        for data in later:
+            running.update(b"," + data)
+        running.update(b"]")
+        digests = [_exact(m, data) for m, data in zip(messages[len(held.messages) :], later, strict=True)]
+        whole = None if any(HINT in data for data in later) else running.digest()
+        return Keys(held.messages + digests, tools_key(body), whole)
 
     def restore(self, session_id: str, calls: list[ThreadRecord]) -> tuple[Thread, ...]:
         """Learn the threads of recorded calls of the session (newest first) that this proxy did
@@ -338,7 +394,7 @@ class Threads:
         after its echo, the session's recorded threads are read back (`recorded`: one query) and
         the longest continuation is taken: another proxy served them, or this one before a
         restart. `keys`: the body's, made from it unless given."""
-        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+        messages = _messages(body)
         keys = keys or keys_of(body)
         found = self._continued(self.cache.get(session_id, ()), messages, keys)
         # A thread in memory that the call continues by more than one message after its echo may

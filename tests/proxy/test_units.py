@@ -500,6 +500,51 @@ def test_a_digest_made_without_the_repr_is_the_reprs(message: dict[str, Any]) ->
     assert _digest(data) == hashlib.blake2b(repr(("exact", data)).encode(), digest_size=16).digest()
 
 
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"])}, optional={"content": VALUES})
+    | st.dictionaries(TEXT, VALUES, max_size=3)
+    | st.just({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(MESSAGES, st.integers(0, 6), st.integers(-1, 5))
+def test_a_calls_keys_made_from_its_sessions_newest_thread_are_its_keys_made_whole(
+    messages: list[dict[str, Any]], held: int, edited: int
+) -> None:
+    """`Threads.keys` digests only the messages after the session's newest thread when the
+    history before them is that thread's as JSON; whatever the history (edited at `edited`, hinted
+    with `cache_control`, of one text part), the keys are `keys_of`'s. And the digests are skipped:
+    a continuing history of no hint makes no digest of the held messages."""
+    import proxy.threads as threads_module
+
+    threads, prefix = Threads(), messages[:held]
+    start = threads_module.keys_of({"messages": prefix})
+    answers = [Answer({"role": "assistant", "content": "a"}, array("i", [1]), "stop")]
+    threads.add(
+        "s", "c1", thread_state({"messages": prefix}, answers, None, start), array("i", [1]), answers, start.whole
+    )
+    sent = [{**m, "name": "edited"} if i == edited else m for i, m in enumerate(messages)]
+    body = {"model": "m", "messages": sent}
+    digested: list[int] = []
+
+    def counted(body: dict[str, Any]) -> Any:
+        digested.append(len(body.get("messages") or []))
+        return keys_of(body)
+
+    keys_of = threads_module.keys_of
+    threads_module.keys_of = counted
+    try:
+        made = threads.keys("s", body)
+    finally:
+        threads_module.keys_of = keys_of
+    assert made == keys_of(body)
+    continuing = 0 < len(prefix) < len(sent) and not 0 <= edited < len(prefix)
+    if continuing and start.whole is not None:
+        assert not digested
+
+
 async def _returns(value: Any) -> Any:
     return value
 
