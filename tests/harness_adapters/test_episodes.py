@@ -218,16 +218,21 @@ def test_an_episode_cancelled_as_its_harness_starts_leaves_no_harness_process(
                 Task("t", "p"), Endpoint("http://127.0.0.1:9", "k", "m"), tmp_path, 600
             )
         )
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "child.pid").is_file() or not (tmp_path / "child.pid").read_text().strip():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        episode.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await episode
+        await _cancelled_once_its_child_runs(episode, tmp_path / "child.pid")
 
     asyncio.run(cancelled())
     _gone(tmp_path / "child.pid")
+
+
+async def _cancelled_once_its_child_runs(task: asyncio.Task[Any], pid_file: Path) -> None:
+    """Cancel `task` once the child whose pid `pid_file` holds runs; it ends cancelled."""
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 def _gone(pid_file: Path) -> None:
@@ -263,13 +268,7 @@ def test_a_reward_command_ended_leaves_no_process_of_it(tmp_path: Path, end: str
             with pytest.raises(RewardError, match="timed out"):
                 await scoring
             return
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "child.pid").is_file() or not (tmp_path / "child.pid").read_text().strip():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        scoring.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await scoring
+        await _cancelled_once_its_child_runs(scoring, tmp_path / "child.pid")
 
     asyncio.run(scored())
     _gone(tmp_path / "child.pid")
