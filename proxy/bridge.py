@@ -14,35 +14,55 @@ A vLLM that makes bridges says so in each of its model cards (`CARD`, in `GET /v
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from array import array
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 KEY = "rl_proxy_thread"  # the entry of a chat request's kv_transfer_params the plugin bridges from
 CARD = "rl_proxy_bridge"  # a model card's field: true where the upstream makes bridges
 
 
-async def bridge(
-    rendered: list[int], thread: dict[str, Any], history: Callable[[], Awaitable[list[int] | str]]
-) -> list[int] | str:
+Ids = Sequence[int]  # vLLM's rendering (a list), or the proxy's from /tokenize (an array('i'), read by numpy)
+
+
+def _ends(ids: Ids, eot: int) -> Any:
+    """Where `eot` is in an array of ids (numpy: no Python int made for each), else None."""
+    return np.flatnonzero(np.frombuffer(ids, np.intc) == eot) if isinstance(ids, array) else None
+
+
+def _count(ids: Ids, eot: int) -> int:
+    ends = _ends(ids, eot)
+    return ids.count(eot) if ends is None else len(ends)
+
+
+async def bridge(rendered: Ids, thread: dict[str, Any], history: Callable[[], Awaitable[Ids | str]]) -> Ids | str:
     """The tokens that follow the echoed answer's end of turn in `rendered`, or why none can be
     cut. When the rendering does not hold one more end-of-turn token for each later message (a
     template that merges or drops turns), the history up to the echoed answer (`history()`,
     rendered only then, or why it could not be) must hold `n`."""
     eot, n = thread["eot"], thread["n"]
-    count = rendered.count(eot)
+    ends = _ends(rendered, eot)
+    count = rendered.count(eot) if ends is None else len(ends)
     if count != n + thread["later"]:
         held = await history()
         if isinstance(held, str):
             return held
-        if held.count(eot) != n:
+        if (found := _count(held, eot)) != n:
             return (
-                f"the template renders the conversation with {held.count(eot)} end-of-turn "
+                f"the template renders the conversation with {found} end-of-turn "
                 f"tokens up to the echoed answer, its tokens hold {n}"
             )
-    # The n-th end-of-turn token, found from the end: only the new messages' tokens are scanned.
-    back, at = rendered[::-1], -1
-    for _ in range(count - n + 1):  # none when the rendering holds fewer than n
-        at = back.index(eot, at + 1)
-    if at <= 0:
+    if count < n:
         return f"the rendering has no end-of-turn token {eot} after the echoed answer"
-    return rendered[len(rendered) - 1 - at + (1 if thread["closed"] else 0) :]
+    if ends is not None:
+        at = int(ends[n - 1])  # the n-th end-of-turn token
+    else:  # found from the end: only the new messages' tokens are scanned
+        back, back_at = rendered[::-1], -1
+        for _ in range(count - n + 1):
+            back_at = back.index(eot, back_at + 1)
+        at = len(rendered) - 1 - back_at
+    if at >= len(rendered) - 1:
+        return f"the rendering has no end-of-turn token {eot} after the echoed answer"
+    return rendered[at + (1 if thread["closed"] else 0) :]

@@ -61,6 +61,24 @@ def parse_answer(raw: bytes, sent: Sent | None = None) -> Any:
     return data if placed == len(found) else orjson.loads(raw)
 
 
+TOKENS = b'"tokens":['  # a /tokenize answer's ids, as vLLM writes them
+
+
+def parse_rendering(raw: bytes) -> Any:
+    """A `/tokenize` answer: `orjson.loads(raw)`, its `tokens` an array read by numpy as
+    `parse_answer` reads prompt ids (token-in's bridge cut by the proxy, docs/benchmarks.md)."""
+    at = raw.find(TOKENS)
+    end = raw.find(b"]", at) if at >= 0 else -1
+    ids = _ids(raw, at + len(TOKENS), end, None) if end >= 0 else None
+    if ids is None:
+        return orjson.loads(raw)
+    data = orjson.loads(raw[: at + len(TOKENS)] + b"-1" + raw[end:])  # a placeholder no id can be
+    if not isinstance(data, dict) or data.get("tokens") != [-1]:
+        return orjson.loads(raw)
+    data["tokens"] = ids
+    return data
+
+
 def _ids(raw: bytes, begin: int, end: int, sent: Sent | None) -> array[int] | None:
     """The comma-separated token ids of `raw[begin:end]` as an array, or None if they are not all
     plain ids. When they start with `sent`'s, whole, those are copied from its array."""

@@ -51,7 +51,8 @@ import numpy as np
 import orjson
 from cachetools import LRUCache
 
-from proxy.bridge import KEY, bridge
+from proxy.bridge import KEY, Ids, bridge
+from proxy.capture import parse_rendering
 from proxy.upstream import Upstream
 from recorder.caches import ByteLRU, deep_size
 from recorder.echo import echoes, norm
@@ -459,10 +460,9 @@ def took(planned: array[int] | None, prompt: array[int], bridged: bool) -> bool:
     return bool(np.array_equal(np.frombuffer(prompt, np.intc)[: len(planned)], np.frombuffer(planned, np.intc)))
 
 
-async def render(upstream: Upstream, body: dict[str, Any], generation: bool = True) -> list[int] | str:
-    """The prompt ids of a chat body as the upstream's template renders them (with the
-    generation prompt, or the last message left open with `continue_final_message`, when
-    `generation`), or why not."""
+async def render(upstream: Upstream, body: dict[str, Any], generation: bool = True) -> Ids | str:
+    """The prompt ids of a chat body as the upstream's template renders them, or why not: with the
+    generation prompt, or the last message left open (`continue_final_message`), if `generation`."""
     fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template") if body.get(k) is not None}
     final = generation and bool(body.get("continue_final_message"))
     prompt = generation and not final and body.get("add_generation_prompt") is not False
@@ -474,13 +474,13 @@ async def render(upstream: Upstream, body: dict[str, Any], generation: bool = Tr
     try:
         async with asyncio.timeout(RENDER_TIMEOUT):
             resp = await upstream.send("POST", "/tokenize", fields, at_root=True)
-            data = orjson.loads(await upstream.read(resp))
+            data = parse_rendering(await upstream.read(resp))
     except Exception as exc:  # any failure only means no token-in for this call
         return f"the upstream could not render the request: {exc!r}"[:200]
     if data in ({"detail": "Not Found"}, {"detail": "Method Not Allowed"}):  # no such route (not: no such model)
         return NO_RENDERING
     tokens = data.get("tokens") if isinstance(data, dict) else None
-    return tokens if resp.ok and isinstance(tokens, list) else f"/tokenize answered {resp.status}"
+    return tokens if resp.ok and isinstance(tokens, list | array) else f"/tokenize answered {resp.status}"
 
 
 async def end_of_turn(upstream: Upstream, body: dict[str, Any]) -> int | str:

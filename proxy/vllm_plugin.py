@@ -93,7 +93,7 @@ def register_bridge() -> None:
         if isinstance(made, str):
             log.warning("rl-proxy's thread is not bridged (%s): the request is rendered as sent", made)
             return conversation, inputs
-        prompt = prefix + made
+        prompt = prefix + list(made)
         self.renderer.validate_token_ids(prompt, parameter=KEY)
         return conversation, [tokens_input(prompt, cache_salt=inputs[0].get("cache_salt"))]
 

@@ -30,7 +30,8 @@ from benchmarks.support.samples import call
 from proxy import heap
 from proxy import upstream as upstream_module
 from proxy.anthropic import to_chat
-from proxy.capture import Capture, client_view, parse_answer
+from proxy.bridge import bridge
+from proxy.capture import Capture, client_view, parse_answer, parse_rendering
 from proxy.errors import UpstreamUnreachable
 from proxy.server import AppThread
 from proxy.sessions import forced_tool_choice, parse_key
@@ -207,6 +208,48 @@ def test_an_answers_prompt_ids_as_vllm_writes_them() -> None:
     for sent in ([], ids[:500], ids, [*ids[:499], 1], [ids[0] // 10], [*ids, 5]):
         json = orjson.dumps(sent)[1:-1]
         assert parse_answer(raw, (json, array("i", sent)))["prompt_token_ids"].tolist() == ids, sent[-1:]
+
+
+@given(
+    tokens=st.one_of(IDS, NOT_IDS),
+    nested=st.one_of(st.none(), IDS),
+    noise=st.dictionaries(st.sampled_from(["count", "max_model_len", "token_strs", "detail"]), JSON, max_size=3),
+)
+def test_a_renderings_tokens_are_parsed_as_orjson_parses_them(tokens: Any, nested: Any, noise: dict[str, Any]) -> None:
+    """A /tokenize answer's ids as an array (token-in's bridge cut by the proxy), read as
+    parse_answer reads prompt ids; anything else, or the key elsewhere, leaves plain JSON."""
+    body: dict[str, Any] = {**({} if nested is None else {"detail": {"tokens": nested}}), **noise, "tokens": tokens}
+    raw = orjson.dumps(body)
+    parsed = parse_rendering(raw)
+    assert _lists(parsed) == orjson.loads(raw)
+    plain = all(isinstance(x, int) and 0 <= x < 2**31 for x in tokens)
+    first = raw.find(b'"tokens":[') == raw.rfind(b'"tokens":[')  # the only one: the answer's
+    assert isinstance(parsed["tokens"], array) == (plain and first)
+
+
+ENDS = st.lists(st.sampled_from([7, 7, 1, 2, 3]), max_size=30)  # 7: the end-of-turn token
+
+
+@given(
+    rendered=ENDS,
+    history=st.one_of(ENDS, st.just("no rendering")),
+    n=st.integers(1, 6),
+    later=st.integers(0, 3),
+    closed=st.booleans(),
+)
+def test_a_bridge_cut_from_an_array_is_the_one_cut_from_a_list(
+    rendered: list[int], history: Any, n: int, later: int, closed: bool
+) -> None:
+    """The proxy cuts the bridge from /tokenize's ids as an array (numpy), the plugin from vLLM's
+    list: the same bridge, or the same reason why none, either way."""
+    thread = {"eot": 7, "n": n, "later": later, "closed": closed}
+
+    def cut(ids: Any) -> Any:
+        held = history if isinstance(history, str) else type(ids)(*(["i"] if isinstance(ids, array) else []), history)
+        made = asyncio.run(bridge(ids, thread, lambda: _returns(held)))
+        return made if isinstance(made, str) else list(made)
+
+    assert cut(array("i", rendered)) == cut(list(rendered))
 
 
 def test_recent_responses_drop_the_least_recently_used() -> None:
