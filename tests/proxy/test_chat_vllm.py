@@ -14,7 +14,7 @@ from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from benchmarks.support.samples import ADD_TOOL, FORCE_ADD
 from benchmarks.support.stack import RunningProxy, Upstream, direct_chat
-from proxy.capture import parse_answer
+from proxy.capture import parse_answer, parse_rendering
 
 pytestmark = pytest.mark.vllm
 
@@ -56,6 +56,11 @@ def test_vllm_writes_prompt_ids_as_the_proxy_reads_them_without_an_int_each(vllm
     for raw in (whole, first.removeprefix("data:").strip().encode()):
         ids = parse_answer(raw)["prompt_token_ids"]
         assert isinstance(ids, array) and ids.tolist() == json.loads(raw)["prompt_token_ids"], raw[:200]
+    # and /tokenize's answer, which token-in reads where vLLM has not rl-proxy's plugin
+    root = vllm.url.removesuffix("/v1")
+    rendered = httpx.post(f"{root}/tokenize", json={"model": vllm.model, "messages": ASK}, timeout=120).content
+    tokens = parse_rendering(rendered)["tokens"]
+    assert isinstance(tokens, array) and tokens.tolist() == json.loads(rendered)["tokens"], rendered[:200]
 
 
 def test_client_that_asks_nothing_sees_plain_vllm_answer(proxy: RunningProxy, vllm: Upstream) -> None:
