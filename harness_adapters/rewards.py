@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from harness_adapters.harnesses.base import Endpoint, Outcome, command_env, load_callable, template_values
-from harness_adapters.harnesses.command import kill_group, start_process, supervised
+from harness_adapters.harnesses.command import kill_group, start_process
 from harness_adapters.tasks import Task
 
 JUDGE_PROMPT = """You grade an AI agent's work. Rubric:
@@ -101,13 +101,12 @@ class CommandReward(RewardSource):
         # In a process group of its own, under the harness's supervisor: at the timeout, or when
         # the episode is cancelled, the whole group is killed, a test runner it started included.
         proc = await start_process(
-            supervised(argv),
+            argv,
             cwd=workdir,
             env=command_env(),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
         )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), self.timeout)

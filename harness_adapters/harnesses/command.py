@@ -63,11 +63,14 @@ def kill_group(pid: int) -> None:
 
 
 async def start_process(argv: list[str], **options: Any) -> asyncio.subprocess.Process:
-    """`asyncio.create_subprocess_exec`, whose whole process group is killed if the episode is
-    cancelled while it starts (Ctrl-C, SIGTERM): asyncio then kills only the process it started,
-    the supervisor, and a harness that had started under it ran on (`collect` stopped by SIGTERM
-    as its episodes started left both harnesses running, seen in a CI run)."""
-    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(*argv, **options))
+    """`argv` under SUPERVISOR in a process group of its own (`asyncio.create_subprocess_exec`'s
+    `options`), the whole group killed if the episode is cancelled while it starts (Ctrl-C,
+    SIGTERM): asyncio then kills only the process it started, the supervisor, and a harness that
+    had started under it ran on (`collect` stopped by SIGTERM as its episodes started left both
+    harnesses running, seen in a CI run)."""
+    starting = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(*supervised(argv), start_new_session=True, **options)
+    )
     try:
         return await asyncio.shield(starting)
     except asyncio.CancelledError:
@@ -125,13 +128,7 @@ class CommandAdapter:
         with open(log, "w+b") as err_file, open(out, "w+b") as out_file:
             try:
                 proc = await start_process(
-                    supervised(argv),
-                    cwd=workdir,
-                    env=env,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out_file,
-                    stderr=err_file,
-                    start_new_session=True,
+                    argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out_file, stderr=err_file
                 )
             except OSError as exc:
                 return Outcome("failed", error=f"cannot start {argv[0]!r}: {exc}", log=str(log))
