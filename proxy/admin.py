@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import math
+import os
 import secrets
 import uuid
 from functools import lru_cache
@@ -242,8 +243,10 @@ ops = APIRouter()
 @ops.get("/healthz")
 async def healthz(request: Request) -> dict[str, Any]:
     state = _state(request)
+    await state.upstreams.heard()
     return {
         "status": "ok",
+        "pid": os.getpid(),  # which worker of `serve --workers N` answered
         "upstream": state.upstreams.first.base_url,
         "policy_version": state.upstreams.first.version,
         # why streams are asked for whole, if they are
@@ -261,6 +264,5 @@ async def healthz(request: Request) -> dict[str, Any]:
 @ops.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = _state(request)
-    state.metrics.queue_depth.set(state.store.queue_depth)
-    state.metrics.record_failures.set(state.store.write_failures)
+    state.gauge()
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")

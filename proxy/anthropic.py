@@ -22,16 +22,15 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
+from proxy.bodies import check_types, read_json
 from proxy.capture import LEFT_TO_CHAT, REASONING, Capture, reasoning_for_litellm
 from proxy.errors import BadRequest, anthropic_error_body, json_response
 from proxy.forwarding import (
     Call,
     UpstreamError,
     ask_for_tokens,
-    check_types,
     fit_to_backend,
     open_upstream,
-    read_json,
     relay,
     session_for,
     upstream_chunks,
@@ -146,7 +145,7 @@ async def messages(request: Request) -> Response:
     ask_for_tokens(state, chat)
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
+    call = await Call.start(state, API, session, body, stream)
     call.rewrites = {name: [value, None] for name, value in dropped.items()} | await fit_to_backend(
         state, chat, session
     )

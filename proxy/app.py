@@ -17,12 +17,13 @@ from proxy.responses import router as responses_router
 from proxy.settings import LOOPBACK, Settings
 from proxy.state import ProxyState, RecentResponses
 from proxy.threads import Threads
-from proxy.upstream import Upstreams
+from proxy.upstream import Announce, Upstreams
 from recorder import Store
 
 
-def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
-    """The proxy app. The store and upstreams are opened and closed with the app's lifespan."""
+def create_app(settings: Settings, store: Store | None = None, announce: Announce | None = None) -> FastAPI:
+    """The proxy app. The store and upstreams are opened and closed with the app's lifespan;
+    `announce` is shared with the other workers of `serve --workers N` (proxy/upstream.py)."""
     if not settings.upstream:
         raise ValueError("create_app needs an upstream URL (settings.upstream)")
     store = store or Store(settings.db)
@@ -31,6 +32,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         timeout=settings.upstream_timeout,
         connect_timeout=settings.upstream_connect_timeout,
         api_key=settings.upstream_api_key,
+        announce=announce,
     )
 
     @asynccontextmanager
@@ -42,6 +44,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         finally:
             await upstreams.close()
             await store.close()
+            app.state.rlp.metrics.close()
 
     app = FastAPI(title="rl-proxy", lifespan=lifespan)
     app.add_middleware(Guard, loopback_only=settings.host in LOOPBACK)

@@ -4,8 +4,6 @@ without the rest of the `rl-proxy` command."""
 
 from __future__ import annotations
 
-import logging
-import sys
 from typing import Annotated, Any
 
 import typer
@@ -38,6 +36,7 @@ def serve(
     db: DbOption = None,
     host: Annotated[str | None, typer.Option(help=_about("host"))] = None,
     port: Annotated[int | None, typer.Option(help=_about("port"))] = None,
+    workers: Annotated[int | None, typer.Option(help=_about("workers"))] = None,
     admin_token: Annotated[str | None, typer.Option(help=_about("admin_token"))] = None,
     max_model_len: Annotated[int | None, typer.Option(help=_about("max_model_len"))] = None,
     reject_unknown_sessions: Annotated[bool, typer.Option(help="refuse keys not created through /admin")] = False,
@@ -52,6 +51,7 @@ def serve(
         db=db,
         host=host,
         port=port,
+        workers=workers,
         admin_token=admin_token,
         max_model_len=max_model_len,
         create_sessions=False if reject_unknown_sessions else None,
@@ -59,10 +59,10 @@ def serve(
     )
     if settings.host not in LOOPBACK and not settings.admin_token:
         raise typer.BadParameter("binding off loopback needs --admin-token (or RLP_ADMIN_TOKEN)")
-    from proxy.server import run, stop_on_sigterm
+    from proxy.server import log_setup, run, stop_on_sigterm
 
     stop_on_sigterm()
-    _log_setup()
+    log_setup()
     try:
         raise typer.Exit(run(settings))
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, once uvicorn has answered the calls in flight
@@ -80,16 +80,11 @@ def demo(
     """The main job on the embedded default: vLLM CPU + SmolLM2-135M + SQLite, one recorded
     agent session (chat, a tool call, streaming), then where the data went."""
     from proxy.demo import run_demo
-    from proxy.server import stop_on_sigterm
+    from proxy.server import log_setup, stop_on_sigterm
 
     stop_on_sigterm()
-    _log_setup()
+    log_setup()
     raise typer.Exit(run_demo(_settings(db=db, model=model)))
-
-
-def _log_setup() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
-"""Prometheus metrics of one proxy app, in a registry of its own (no global state)."""
+"""Prometheus metrics of one proxy app, in a registry of its own (no global state). The workers
+of `rl-proxy serve --workers N` keep theirs in files of one directory (prometheus_client's
+multiprocess mode, chosen by `PROMETHEUS_MULTIPROC_DIR` before the import), and whichever worker
+answers `/metrics` sums them all."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+
+SHARED = "PROMETHEUS_MULTIPROC_DIR"
 
 WAITS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
 
@@ -35,10 +42,28 @@ class Metrics:
             buckets=WAITS,
             registry=self.registry,
         )
-        self.queue_depth = Gauge("rlp_recorder_queue_depth", "Writes waiting for the recorder", registry=self.registry)
+        # Summed over the live workers, each as of its last call or scrape.
+        self.queue_depth = Gauge(
+            "rlp_recorder_queue_depth",
+            "Writes waiting for the recorder",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self.record_failures = Gauge(
-            "rlp_record_failures", "Writes the recorder could not commit", registry=self.registry
+            "rlp_record_failures",
+            "Writes the recorder could not commit",
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if SHARED not in os.environ:
+            return generate_latest(self.registry)
+        every = CollectorRegistry()
+        multiprocess.MultiProcessCollector(every)
+        return generate_latest(every)
+
+    def close(self) -> None:
+        """This process's live gauges leave the sums (its counts stay in them)."""
+        if SHARED in os.environ:
+            multiprocess.mark_process_dead(os.getpid())

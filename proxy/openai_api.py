@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
+from proxy.bodies import read_json
 from proxy.capture import Capture, client_view
 from proxy.errors import BadRequest, error_body, json_response
 from proxy.forwarding import (
@@ -25,7 +26,6 @@ from proxy.forwarding import (
     ask_for_tokens,
     fit_to_backend,
     open_upstream,
-    read_json,
     relay,
     session_for,
     upstream_chunks,
@@ -98,7 +98,7 @@ async def forward(request: Request, api: Api) -> Response:
     validate(body, api, state.settings.max_choices)
     session = await session_for(request, state)
     stream = bool(body.get("stream"))
-    call = Call(state, api.name, session, await state.numbers.next(state.store, session.id), body, stream)
+    call = await Call.start(state, api.name, session, body, stream)
     keep_tokens = bool(body.get("return_token_ids"))
     keep_logprobs = bool(body.get("logprobs")) if api.chat else body.get("logprobs") is not None
     upstream_body = dict(body)

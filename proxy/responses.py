@@ -29,16 +29,15 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from proxy import openapi
+from proxy.bodies import check_types, read_json
 from proxy.capture import LEFT_TO_CHAT, REASONING, Capture, reasoning_for_litellm
 from proxy.errors import BadRequest, NotFound, json_response
 from proxy.forwarding import (
     Call,
     UpstreamError,
     ask_for_tokens,
-    check_types,
     fit_to_backend,
     open_upstream,
-    read_json,
     relay,
     session_for,
     upstream_chunks,
@@ -168,7 +167,7 @@ async def responses(request: Request) -> Response:
     stream = bool(body.get("stream"))
     chat = to_chat(body, await conversation(request, session, body), stream)
     ask_for_tokens(state, chat)
-    call = Call(state, API, session, await state.numbers.next(state.store, session.id), body, stream)
+    call = await Call.start(state, API, session, body, stream)
     call.response_id = f"resp_{uuid.uuid4().hex}"
     call.on_recorded = state.recent_responses.remember
     call.rewrites = await fit_to_backend(state, chat, session)

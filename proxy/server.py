@@ -5,22 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
+import orjson
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.supervisors import Multiprocess
 from uvloop import new_event_loop
 
-from proxy import heap
+from proxy import heap, metrics
 from proxy.app import create_app
 from proxy.model import resolve_model
 from proxy.settings import Settings
+from proxy.upstream import Announce, Upstream, Upstreams
 from proxy.vllm import BackendError, VllmServer
 from recorder.schema import shown_url
 
@@ -30,6 +37,7 @@ log = logging.getLogger("rl_proxy.server")
 # calls (tools, their own work) and clients that keep connections 5 s themselves (httpx) would
 # race the server's close and fail a request now and then.
 KEEP_ALIVE = 75
+WORKER = "RL_PROXY_WORKER"  # what `serve --workers N` gives each worker: its settings, the announce's file
 
 
 def stop_on_sigterm() -> None:
@@ -86,35 +94,87 @@ def backend_for(settings: Settings, progress: bool = True) -> Iterator[tuple[Set
 def run(settings: Settings) -> int:
     """Serve in the foreground until Ctrl-C; exit code 1 if a launched vLLM dies."""
     with backend_for(settings) as (settings, vllm):
-        app = create_app(settings)
-        server = uvicorn.Server(
-            uvicorn.Config(app, settings.host, settings.port, access_log=False, timeout_keep_alive=KEEP_ALIVE)
-        )
-        died: list[BackendError] = []
-
-        async def watch() -> None:
-            while vllm is not None and not server.should_exit:
-                try:
-                    vllm.check_alive()
-                except BackendError as exc:
-                    log.error("%s", exc)
-                    died.append(exc)
-                    server.should_exit = True
-                await asyncio.sleep(1.0)
-
-        async def main() -> None:
-            watcher = asyncio.create_task(watch())
-            await server.serve()
-            watcher.cancel()
-
-        shown = ", ".join(u.base_url for u in app.state.rlp.upstreams.members)  # without credentials
+        assert settings.upstream is not None
+        urls = Upstreams.urls(settings.upstream)
+        shown = ", ".join(Upstream(url, timeout=0, connect_timeout=0).base_url for url in urls)  # no credentials
         print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {shown}; db {shown_url(settings.db)}")
+        if settings.workers > 1:
+            return 1 if serve_workers(settings, vllm) else 0
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(settings), settings.host, settings.port, access_log=False, timeout_keep_alive=KEEP_ALIVE
+            )
+        )
+        died = watch(vllm, lambda: not server.should_exit, lambda: setattr(server, "should_exit", True))
         heap.settle()
         # uvloop, as uvicorn picks when it runs the loop itself (AppThread): asyncio's own loop
         # costs more a call (docs/benchmarks.md, "Where the milliseconds go").
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(main())
+            runner.run(server.serve())
         return 1 if died else 0
+
+
+def serve_workers(settings: Settings, vllm: VllmServer | None) -> list[BackendError]:
+    """`--workers N`: uvicorn's supervisor spawns N processes that take calls from one socket,
+    each a proxy (`worker_app`) with its own event loop, caches and store connections, all on
+    one store, as several proxies behind a balancer are (docs/deploying.md). Restarts a worker
+    that dies. What they share: the trainer's version announce (`Announce`) and the metrics'
+    files, in a directory that lives as long as they do. Returns why vLLM died, if it did."""
+    with tempfile.TemporaryDirectory(prefix="rl-proxy-workers-") as shared:
+        announce = Path(shared) / "announce"
+        Announce(announce)  # made before any worker maps it
+        os.environ[metrics.SHARED] = shared
+        given = {"settings": settings.model_dump(mode="json"), "announce": str(announce)}
+        os.environ[WORKER] = orjson.dumps(given).decode()
+        config = uvicorn.Config(
+            f"{__name__}:worker_app",
+            settings.host,
+            settings.port,
+            factory=True,
+            workers=settings.workers,
+            access_log=False,
+            timeout_keep_alive=KEEP_ALIVE,
+        )
+        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+        died = watch(vllm, lambda: not supervisor.should_exit.is_set(), supervisor.should_exit.set)
+        supervisor.run()
+        return died
+
+
+def worker_app() -> FastAPI:
+    """A worker's app: uvicorn calls this in each process it spawns, from what `serve_workers`
+    left in the environment."""
+    given = orjson.loads(os.environ[WORKER])
+    log_setup()
+    app = create_app(Settings(**given["settings"]), announce=Announce(Path(given["announce"])))
+    heap.settle()
+    return app
+
+
+def watch(vllm: VllmServer | None, serving: Callable[[], bool], stop: Callable[[], None]) -> list[BackendError]:
+    """Stop serving once the vLLM launched for it dies, checked every second in a thread; the
+    list returned holds why, once it has."""
+    died: list[BackendError] = []
+
+    def check(vllm: VllmServer) -> None:
+        while serving():
+            try:
+                vllm.check_alive()
+            except BackendError as exc:
+                log.error("%s", exc)
+                died.append(exc)
+                stop()
+                return
+            time.sleep(1.0)
+
+    if vllm is not None:
+        threading.Thread(target=check, args=(vllm,), name="vllm-watch", daemon=True).start()
+    return died
+
+
+def log_setup() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class AppThread:

@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     db: str = Field(default_factory=default_db, description="SQLAlchemy URL or SQLite path")
     host: str = Field("127.0.0.1", description="address to bind (off loopback, /admin needs a token)")
     port: int = Field(8000, description="port to bind")
+    workers: int = Field(1, ge=1, description="processes serving the port, each a core's worth of calls")
     admin_token: str | None = Field(None, description="bearer token of /admin (needed off loopback)")
     create_sessions: bool = Field(True, description="create unknown sessions on first use")
     max_body_bytes: int = 32 * 1024 * 1024

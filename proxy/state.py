@@ -113,3 +113,8 @@ class ProxyState:
         m.tokens.labels("prompt").inc(len(call.prompt_token_ids))
         m.tokens.labels("completion").inc(sum(len(c.token_ids) for c in call.completions))
         m.latency.labels(call.api).observe(call.latency_ms / 1000.0)
+        self.gauge()
+
+    def gauge(self) -> None:
+        self.metrics.queue_depth.set(self.store.queue_depth)
+        self.metrics.record_failures.set(self.store.write_failures)

@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import mmap
+import os
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -255,12 +258,40 @@ class Upstream:
             resp.release()
 
 
+class Announce:
+    """The trainer's announce of a new policy version (`POST /admin/policy_version/refresh`),
+    passed from the worker of `rl-proxy serve --workers N` that took it to the others: 8 bytes
+    in a file they all map, which that worker sets anew once it has read the version. Another
+    worker reads the version again before it stamps its next call (`Upstreams.heard`), so no
+    call starting after the announce is answered carries the old version, whichever worker
+    serves it. A read is a slice of the map: no system call on a call's path."""
+
+    SIZE = 8
+
+    def __init__(self, path: Path) -> None:
+        if not path.exists():
+            path.write_bytes(bytes(self.SIZE))
+        with path.open("r+b") as file:
+            self._map = mmap.mmap(file.fileno(), self.SIZE)
+
+    def read(self) -> bytes:
+        return self._map[: self.SIZE]
+
+    def say(self) -> bytes:
+        said = os.urandom(self.SIZE)  # new whatever the others wrote: no counter to race on
+        self._map[: self.SIZE] = said
+        return said
+
+
 class Upstreams:
     """The servers behind the proxy (see the module docstring); one, most of the time."""
 
-    def __init__(self, members: list[Upstream]) -> None:
+    def __init__(self, members: list[Upstream], announce: Announce | None = None) -> None:
         self.members = members
         self._prober: asyncio.Task[None] | None = None
+        self.announce = announce  # shared by the workers of `serve --workers N`, if any
+        self._heard = b"" if announce is None else announce.read()
+        self._hearing = asyncio.Lock()
 
     @staticmethod
     def urls(value: str) -> list[str]:
@@ -268,10 +299,19 @@ class Upstreams:
         return [url.strip() for url in value.split(",") if url.strip()]
 
     @classmethod
-    def from_urls(cls, urls: str, *, timeout: float, connect_timeout: float, api_key: str | None) -> Upstreams:
-        return cls(
-            [Upstream(url, timeout=timeout, connect_timeout=connect_timeout, api_key=api_key) for url in cls.urls(urls)]
-        )
+    def from_urls(
+        cls,
+        urls: str,
+        *,
+        timeout: float,
+        connect_timeout: float,
+        api_key: str | None,
+        announce: Announce | None = None,
+    ) -> Upstreams:
+        members = [
+            Upstream(url, timeout=timeout, connect_timeout=connect_timeout, api_key=api_key) for url in cls.urls(urls)
+        ]
+        return cls(members, announce)
 
     def live(self) -> list[Upstream]:
         """The members in rotation; all of them when none is (a call then fails on its own)."""
@@ -308,6 +348,28 @@ class Upstreams:
                     log.warning("upstream %s answers again: back in rotation", member.base_url)
 
     async def refresh_versions(self) -> None:
+        """Read every member's version now (the trainer's announce), and pass the announce on to
+        the other workers, if any."""
+        await self._read_versions()
+        if self.announce is not None:
+            self._heard = self.announce.say()
+
+    async def heard(self) -> None:
+        """Before a call is stamped: if another worker took an announce since, read the versions
+        again first. The calls meanwhile wait for the same read."""
+        if self.announce is None or self.announce.read() == self._heard:
+            return
+        async with self._hearing:
+            said = self.announce.read()
+            if said == self._heard:
+                return
+            try:
+                await self._read_versions()
+            except ProxyError as exc:  # the poll goes on reading it
+                log.warning("the announced policy version was not read: %s", exc)
+            self._heard = said
+
+    async def _read_versions(self) -> None:
         await asyncio.gather(*(u.refresh_version(patient=False) for u in self.members))
 
     async def close(self) -> None:

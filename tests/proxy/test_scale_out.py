@@ -13,7 +13,7 @@ import aiohttp
 import httpx
 
 from benchmarks.support.load import Load, reply, request, verify
-from benchmarks.support.stack import process
+from benchmarks.support.stack import process, read_calls
 from benchmarks.support.stub_upstream import MODEL, stub_app
 from proxy.server import AppThread
 from proxy.vllm import free_port
@@ -122,3 +122,54 @@ def test_two_proxy_processes_write_one_postgres_database(postgres: str, tmp_path
     assert not load.errors, load.errors[:3]
     assert len(load.answered) == 16 * 8
     assert verify(db, load) == []  # every turn recorded once, in order, whole
+
+
+def test_serve_workers_share_the_trainers_version_announce_and_their_metrics(tmp_path: Path) -> None:
+    """`rl-proxy serve --workers 2` on a stub upstream. The trainer's announce of a new policy
+    version reaches one worker; each call after it is stamped with the new version whichever
+    worker serves it, and their version polls are an hour apart, so only the announce passed
+    between the workers can say it. `/metrics`, whichever worker answers, counts every call."""
+    upstream = stub_app()
+    weights = {"weight_version": "1"}
+    served_from: set[int] = set()  # the upstream connections' ports: each worker has its own
+
+    @upstream.get("/weight_info")
+    async def weight_info() -> dict[str, str]:
+        return weights
+
+    @upstream.middleware("http")
+    async def note(request: Any, call_next: Any) -> Any:
+        if request.url.path.endswith("/chat/completions"):
+            served_from.add(request.client.port)
+        return await call_next(request)
+
+    def workers() -> dict[int, str]:
+        """Each worker's policy version, from /healthz over new connections until both answered."""
+        seen: dict[int, str] = {}
+        for _ in range(100):
+            health = httpx.get(f"{base}/healthz", timeout=10).json()
+            seen[health["pid"]] = health["policy_version"]
+            if len(seen) == 2:
+                break
+        return seen
+
+    db, port = tmp_path / "w.db", free_port()
+    base = f"http://127.0.0.1:{port}"
+    with AppThread(upstream) as stub:
+        serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", f"{stub.url}/v1", "--db", str(db)]
+        serve += ["--port", str(port), "--workers", "2"]
+        with process(serve, f"{base}/healthz", tmp_path / "serve.log", {"RLP_VERSION_POLL_INTERVAL": "3600"}) as proc:
+            assert list(workers().values()) == ["1", "1"]
+            weights["weight_version"] = "2"
+            assert httpx.post(f"{base}/admin/policy_version/refresh", timeout=30).json()["policy_version"] == "2"
+            for i in range(20):  # each on a new connection, which either worker may take
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"call {i}"}]}
+                answer = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"x-api-key": f"w{i}"})
+                assert answer.status_code == 200, answer.text
+            assert len(served_from) == 2  # both workers served calls
+            assert list(workers().values()) == ["2", "2"]
+            for _ in range(4):
+                assert 'rlp_calls_total{api="chat.completions",status="ok"} 20.0' in httpx.get(f"{base}/metrics").text
+            proc.terminate()
+            assert proc.wait(30) == 0
+    assert [call.policy_version for call in read_calls(str(db))] == ["2"] * 20
