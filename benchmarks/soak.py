@@ -63,20 +63,24 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     pass), the token-in floor (the recording floor on SQLite, each continuing call also rendered
     by the upstream's /tokenize first: the least a proxy adds that cuts the bridge itself, which
     rl-proxy does only in front of a vLLM without its plugin; the stub bridges as the plugin
-    does) and rl-proxy in messages mode (no token-in), what token-in costs."""
+    does), rl-proxy in messages mode (no token-in), what token-in costs, and rl-proxy as two
+    processes (`serve --workers 2`), its CPU and its loops' summed over both."""
     import psutil  # vLLM's dependency
 
     def seconds_of(server: psutil.Process) -> tuple[float, float]:
-        """CPU seconds of the process, and of its main thread (whose id is the process's)."""
-        loop = next(t for t in server.threads() if t.id == server.pid)
-        return sum(server.cpu_times()[:2]), loop.user_time + loop.system_time
+        """CPU seconds of the server's processes (its workers too, if any), and of their main
+        threads (each one's id is its process's)."""
+        processes = [server, *server.children(recursive=True)]
+        loops = [next(t for t in p.threads() if t.id == p.pid) for p in processes]
+        return sum(sum(p.cpu_times()[:2]) for p in processes), sum(t.user_time + t.system_time for t in loops)
 
-    proxies = ("sqlite", "sqlite-messages", "postgresql")
+    proxies = ("sqlite", "sqlite-2-workers", "sqlite-messages", "postgresql")
     floors = ("passthrough", "recording-sqlite", "recording-postgresql", "rendering-sqlite")
     samples: dict[str, list[Load]] = {name: [] for name in ("direct", *floors, *proxies)}
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in samples}  # ms a call: process, loop
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
         dbs["sqlite-messages"] = str(Path(tempfile.mkdtemp()) / "messages.db")
+        dbs["sqlite-2-workers"] = str(Path(tempfile.mkdtemp()) / "workers.db")
         dbs["recording-sqlite"] = str(Path(tempfile.mkdtemp()) / "floor.db")
         dbs["recording-postgresql"] = new_database(dbs["postgresql"])  # another, on the same server
         dbs["rendering-sqlite"] = str(Path(tempfile.mkdtemp()) / "rendering.db")
@@ -87,7 +91,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
             base, pid = running.enter_context(floor(upstream, log, db, render))
             bases[name] = (base, psutil.Process(pid))
         for kind in proxies:
-            options = ("--messages-mode",) if kind.endswith("messages") else ()
+            options = {"sqlite-messages": ("--messages-mode",), "sqlite-2-workers": ("--workers", "2")}.get(kind, ())
             log = Path(tempfile.mkdtemp()) / "proxy.log"
             base, pid = running.enter_context(proxy(upstream, dbs[kind], log, *options))
             bases[kind] = (base, psutil.Process(pid))
@@ -122,6 +126,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
         "recording-postgresql": "the recording floor + postgresql",
         "rendering-sqlite": "the token-in floor + sqlite (records, and renders as token-in does without the plugin)",
         "sqlite-messages": "rl-proxy + sqlite, messages mode (no token-in)",
+        "sqlite-2-workers": "rl-proxy + sqlite, 2 workers (`serve --workers 2`)",
     }
     rate = {name: statistics.median(load.rate for load in loads) for name, loads in samples.items()}
 

@@ -167,14 +167,15 @@ async def run_load(
 
     sampler = asyncio.create_task(sample())
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=sessions), timeout=timeout) as http:
-        run = f"{time.monotonic_ns() % 10**8:x}"
-        await asyncio.gather(
-            *(
-                converse(http, base, f"soak-{run}-{i}", kinds[i % len(kinds)], until, load, min_turns=min_turns)
-                for i in range(sessions)
-            )
-        )
+    run = f"{time.monotonic_ns() % 10**8:x}"
+
+    async def client(i: int) -> None:
+        # A connection of its own, as each agent has its own HTTP client: so a session's calls
+        # reach one worker of `serve --workers N`, as they reach one proxy behind a sticky balancer.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=timeout) as http:
+            await converse(http, base, f"soak-{run}-{i}", kinds[i % len(kinds)], until, load, min_turns=min_turns)
+
+    await asyncio.gather(*(client(i) for i in range(sessions)))
     load.seconds = time.monotonic() - started
     sampler.cancel()
     return load
