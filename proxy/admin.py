@@ -225,6 +225,7 @@ async def end_session(session_id: str, request: Request, body: SessionEnd | None
     await _existing(request, session_id)
     body = body or SessionEnd()
     await _state(request).store.end_session(session_id, body.status, body.outcome)
+    _state(request).ended()
     return session_json(await _existing(request, session_id))
 
 

@@ -17,13 +17,14 @@ from proxy.responses import router as responses_router
 from proxy.settings import LOOPBACK, Settings
 from proxy.state import ProxyState, RecentResponses
 from proxy.threads import Threads
-from proxy.upstream import Announce, Upstreams
+from proxy.upstream import Upstreams
+from proxy.workers import Marks
 from recorder import Store
 
 
-def create_app(settings: Settings, store: Store | None = None, announce: Announce | None = None) -> FastAPI:
+def create_app(settings: Settings, store: Store | None = None, marks: Marks | None = None) -> FastAPI:
     """The proxy app. The store and upstreams are opened and closed with the app's lifespan;
-    `announce` is shared with the other workers of `serve --workers N` (proxy/upstream.py)."""
+    `marks` are shared with the other workers of `serve --workers N` (proxy/workers.py)."""
     if not settings.upstream:
         raise ValueError("create_app needs an upstream URL (settings.upstream)")
     store = store or Store(settings.db)
@@ -32,7 +33,7 @@ def create_app(settings: Settings, store: Store | None = None, announce: Announc
         timeout=settings.upstream_timeout,
         connect_timeout=settings.upstream_connect_timeout,
         api_key=settings.upstream_api_key,
-        announce=announce,
+        marks=marks,
     )
 
     @asynccontextmanager
@@ -53,6 +54,7 @@ def create_app(settings: Settings, store: Store | None = None, announce: Announc
         settings,
         store,
         upstreams,
+        marks=marks,
         threads=Threads(int(settings.thread_cache_mb * mib)),
         recent_responses=RecentResponses(int(settings.response_cache_mb * mib)),
     )

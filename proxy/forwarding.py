@@ -62,6 +62,7 @@ class UpstreamError(ProxyError):
 
 async def session_for(request: Request, state: ProxyState) -> SessionInfo:
     key = request_key(request)
+    state.forget_ended()
     try:
         found = await state.store.session_by_key(key)
         if found is None and not state.settings.create_sessions:

@@ -27,8 +27,9 @@ from proxy import heap, metrics
 from proxy.app import create_app
 from proxy.model import resolve_model
 from proxy.settings import Settings
-from proxy.upstream import Announce, Upstream, Upstreams
+from proxy.upstream import Upstream, Upstreams
 from proxy.vllm import BackendError, VllmServer
+from proxy.workers import Marks
 from recorder.schema import shown_url
 
 log = logging.getLogger("rl_proxy.server")
@@ -37,7 +38,7 @@ log = logging.getLogger("rl_proxy.server")
 # calls (tools, their own work) and clients that keep connections 5 s themselves (httpx) would
 # race the server's close and fail a request now and then.
 KEEP_ALIVE = 75
-WORKER = "RL_PROXY_WORKER"  # what `serve --workers N` gives each worker: its settings, the announce's file
+WORKER = "RL_PROXY_WORKER"  # what `serve --workers N` gives each worker: its settings, the marks' file
 
 
 def stop_on_sigterm() -> None:
@@ -118,13 +119,13 @@ def serve_workers(settings: Settings, vllm: VllmServer | None) -> list[BackendEr
     """`--workers N`: uvicorn's supervisor spawns N processes that take calls from one socket,
     each a proxy (`worker_app`) with its own event loop, caches and store connections, all on
     one store, as several proxies behind a balancer are (docs/deploying.md). Restarts a worker
-    that dies. What they share: the trainer's version announce (`Announce`) and the metrics'
-    files, in a directory that lives as long as they do. Returns why vLLM died, if it did."""
+    that dies. What they share: the marks they tell each other by (proxy/workers.py) and the
+    metrics' files, in a directory that lives as long as they do. Returns why vLLM died, if it did."""
     with tempfile.TemporaryDirectory(prefix="rl-proxy-workers-") as shared:
-        announce = Path(shared) / "announce"
-        Announce(announce)  # made before any worker maps it
+        marks = Path(shared) / "marks"
+        Marks(marks)  # made before any worker maps it
         os.environ[metrics.SHARED] = shared
-        given = {"settings": settings.model_dump(mode="json"), "announce": str(announce)}
+        given = {"settings": settings.model_dump(mode="json"), "marks": str(marks)}
         os.environ[WORKER] = orjson.dumps(given).decode()
         config = uvicorn.Config(
             f"{__name__}:worker_app",
@@ -146,7 +147,7 @@ def worker_app() -> FastAPI:
     left in the environment."""
     given = orjson.loads(os.environ[WORKER])
     log_setup()
-    app = create_app(Settings(**given["settings"]), announce=Announce(Path(given["announce"])))
+    app = create_app(Settings(**given["settings"]), marks=Marks(Path(given["marks"])))
     heap.settle()
     return app
 

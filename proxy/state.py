@@ -13,6 +13,7 @@ from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.threads import Threads
 from proxy.upstream import Upstreams
+from proxy.workers import ENDED, Marks
 from recorder import CallRecord, SessionInfo
 from recorder.caches import ByteLRU
 from recorder.episodes import EndStatus, EpisodeOutcome
@@ -42,6 +43,7 @@ class Recorder(Protocol):
     ) -> Awaitable[None]: ...
     def recent_threads(self, session_id: str, limit: int) -> Awaitable[list[ThreadRecord]]: ...  # token-in
     def key_cache_usage(self) -> dict[str, int]: ...  # its sessions-by-key cache (/healthz)
+    def forget_sessions(self) -> None: ...  # empty that cache: another process ended a session
     def stored_response(
         self, session_id: str, response_id: str
     ) -> Awaitable[tuple[dict[str, Any], dict[str, Any]] | None]: ...
@@ -95,6 +97,22 @@ class ProxyState:
     numbers: CallNumbers = field(default_factory=CallNumbers)
     threads: Threads = field(default_factory=Threads)
     recent_responses: RecentResponses = field(default_factory=RecentResponses)
+    marks: Marks | None = None  # shared by the workers of `serve --workers N` (proxy/workers.py)
+
+    def __post_init__(self) -> None:
+        self._ended_heard = b"" if self.marks is None else self.marks.read(ENDED)
+
+    def ended(self) -> None:
+        """A session ended here: the other workers are to forget the sessions they hold by key."""
+        if self.marks is not None:
+            self._ended_heard = self.marks.set(ENDED)
+
+    def forget_ended(self) -> None:
+        """Before a call's session is looked up: if another worker ended a session since, read
+        every session again (its key cache emptied), so that none ended is taken as active."""
+        if self.marks is not None and (said := self.marks.read(ENDED)) != self._ended_heard:
+            self._ended_heard = said
+            self.store.forget_sessions()
 
     def caches(self) -> dict[str, dict[str, int]]:
         """Each per-process cache's entries, bytes and budget (/healthz)."""

@@ -22,10 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import mmap
-import os
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -34,6 +31,7 @@ import orjson
 
 from proxy.bridge import CARD
 from proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
+from proxy.workers import VERSION, Marks
 
 log = logging.getLogger("rl_proxy.upstream")
 
@@ -258,39 +256,14 @@ class Upstream:
             resp.release()
 
 
-class Announce:
-    """The trainer's announce of a new policy version (`POST /admin/policy_version/refresh`),
-    passed from the worker of `rl-proxy serve --workers N` that took it to the others: 8 bytes
-    in a file they all map, which that worker sets anew once it has read the version. Another
-    worker reads the version again before it stamps its next call (`Upstreams.heard`), so no
-    call starting after the announce is answered carries the old version, whichever worker
-    serves it. A read is a slice of the map: no system call on a call's path."""
-
-    SIZE = 8
-
-    def __init__(self, path: Path) -> None:
-        if not path.exists():
-            path.write_bytes(bytes(self.SIZE))
-        with path.open("r+b") as file:
-            self._map = mmap.mmap(file.fileno(), self.SIZE)
-
-    def read(self) -> bytes:
-        return self._map[: self.SIZE]
-
-    def say(self) -> bytes:
-        said = os.urandom(self.SIZE)  # new whatever the others wrote: no counter to race on
-        self._map[: self.SIZE] = said
-        return said
-
-
 class Upstreams:
     """The servers behind the proxy (see the module docstring); one, most of the time."""
 
-    def __init__(self, members: list[Upstream], announce: Announce | None = None) -> None:
+    def __init__(self, members: list[Upstream], marks: Marks | None = None) -> None:
         self.members = members
         self._prober: asyncio.Task[None] | None = None
-        self.announce = announce  # shared by the workers of `serve --workers N`, if any
-        self._heard = b"" if announce is None else announce.read()
+        self.marks = marks  # shared by the workers of `serve --workers N` (proxy/workers.py), if any
+        self._heard = b"" if marks is None else marks.read(VERSION)
         self._hearing = asyncio.Lock()
 
     @staticmethod
@@ -306,12 +279,12 @@ class Upstreams:
         timeout: float,
         connect_timeout: float,
         api_key: str | None,
-        announce: Announce | None = None,
+        marks: Marks | None = None,
     ) -> Upstreams:
         members = [
             Upstream(url, timeout=timeout, connect_timeout=connect_timeout, api_key=api_key) for url in cls.urls(urls)
         ]
-        return cls(members, announce)
+        return cls(members, marks)
 
     def live(self) -> list[Upstream]:
         """The members in rotation; all of them when none is (a call then fails on its own)."""
@@ -348,19 +321,21 @@ class Upstreams:
                     log.warning("upstream %s answers again: back in rotation", member.base_url)
 
     async def refresh_versions(self) -> None:
-        """Read every member's version now (the trainer's announce), and pass the announce on to
-        the other workers, if any."""
+        """Read every member's version now (the trainer's announce, taken while vLLM is paused),
+        and mark it for the other workers, if any: each reads the version again before it stamps
+        its next call, so no call that starts after the announce is answered carries the old
+        version, whichever worker serves it."""
         await self._read_versions()
-        if self.announce is not None:
-            self._heard = self.announce.say()
+        if self.marks is not None:
+            self._heard = self.marks.set(VERSION)
 
     async def heard(self) -> None:
         """Before a call is stamped: if another worker took an announce since, read the versions
         again first. The calls meanwhile wait for the same read."""
-        if self.announce is None or self.announce.read() == self._heard:
+        if self.marks is None or self.marks.read(VERSION) == self._heard:
             return
         async with self._hearing:
-            said = self.announce.read()
+            said = self.marks.read(VERSION)
             if said == self._heard:
                 return
             try:

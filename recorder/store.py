@@ -115,6 +115,7 @@ class Store(Reads):
         self._by_key: ByteLRU[str, SessionInfo] = ByteLRU(KEY_CACHE_BYTES, _session_bytes, self._forget)
         self._digest_of: dict[str, str] = {}  # session id: its key digest, for what _by_key holds
         self._creating: dict[str, asyncio.Future[None]] = {}  # key digest: its session's insert
+        self._forgotten = 0  # times `forget_sessions` emptied _by_key
         self._new_ids: set[str] = set()  # ids of those sessions
 
     async def __aenter__(self) -> Store:
@@ -218,8 +219,9 @@ class Store(Reads):
                 row = s.scalar(select(SessionRow).where(SessionRow.key == digest))
                 return None if row is None else session_info(row)
 
+        forgotten = self._forgotten
         info = await self.read(find)
-        if info is not None:
+        if info is not None and forgotten == self._forgotten:  # not read before the cache was emptied
             self._remember(digest, info)
         return info
 
@@ -233,6 +235,11 @@ class Store(Reads):
 
     def key_cache_usage(self) -> dict[str, int]:
         return self._by_key.usage()
+
+    def forget_sessions(self) -> None:
+        """Empty the sessions-by-key cache: another process ended a session it may hold."""
+        self._by_key.clear()
+        self._forgotten += 1
 
     @translated
     async def last_seq(self, session_id: str) -> int:

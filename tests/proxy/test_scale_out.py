@@ -124,11 +124,15 @@ def test_two_proxy_processes_write_one_postgres_database(postgres: str, tmp_path
     assert verify(db, load) == []  # every turn recorded once, in order, whole
 
 
-def test_serve_workers_share_the_trainers_version_announce_and_their_metrics(tmp_path: Path) -> None:
-    """`rl-proxy serve --workers 2` on a stub upstream. The trainer's announce of a new policy
-    version reaches one worker; each call after it is stamped with the new version whichever
-    worker serves it, and their version polls are an hour apart, so only the announce passed
-    between the workers can say it. `/metrics`, whichever worker answers, counts every call."""
+def test_serve_workers_share_the_trainers_version_announce_an_ended_session_and_their_metrics(
+    tmp_path: Path,
+) -> None:
+    """`rl-proxy serve --workers 2` on a stub upstream, one session's calls on new connections,
+    which either worker may take. The trainer's announce of a new policy version reaches one
+    worker, and each call after it is stamped with the new version whichever worker serves it;
+    their version polls are an hour apart, so only the announce passed between the workers can
+    say it. A session ended through one worker is refused by both, though both held it.
+    `/metrics`, whichever worker answers, counts every call."""
     upstream = stub_app()
     weights = {"weight_version": "1"}
     served_from: set[int] = set()  # the upstream connections' ports: each worker has its own
@@ -153,6 +157,10 @@ def test_serve_workers_share_the_trainers_version_announce_and_their_metrics(tmp
                 break
         return seen
 
+    def ask(i: int) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"call {i}"}]}
+        return httpx.post(f"{base}/v1/chat/completions", json=body, headers={"x-api-key": "id=w"}, timeout=30)
+
     db, port = tmp_path / "w.db", free_port()
     base = f"http://127.0.0.1:{port}"
     with AppThread(upstream) as stub:
@@ -162,14 +170,16 @@ def test_serve_workers_share_the_trainers_version_announce_and_their_metrics(tmp
             assert list(workers().values()) == ["1", "1"]
             weights["weight_version"] = "2"
             assert httpx.post(f"{base}/admin/policy_version/refresh", timeout=30).json()["policy_version"] == "2"
-            for i in range(20):  # each on a new connection, which either worker may take
-                body = {"model": MODEL, "messages": [{"role": "user", "content": f"call {i}"}]}
-                answer = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"x-api-key": f"w{i}"})
-                assert answer.status_code == 200, answer.text
-            assert len(served_from) == 2  # both workers served calls
+            assert [ask(i).status_code for i in range(20)] == [200] * 20
+            assert len(served_from) == 2  # both workers served the session
             assert list(workers().values()) == ["2", "2"]
             for _ in range(4):
                 assert 'rlp_calls_total{api="chat.completions",status="ok"} 20.0' in httpx.get(f"{base}/metrics").text
+            assert httpx.post(f"{base}/admin/sessions/w/end", timeout=30).status_code == 200
+            served_from.clear()
+            assert [ask(i).status_code for i in range(20, 30)] == [409] * 10
+            assert served_from == set()
             proc.terminate()
             assert proc.wait(30) == 0
+    assert sorted(call.seq for call in read_calls(str(db))) == list(range(1, 21))
     assert [call.policy_version for call in read_calls(str(db))] == ["2"] * 20
