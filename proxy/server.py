@@ -20,6 +20,7 @@ from types import FrameType
 import orjson
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 from uvloop import new_event_loop
 
@@ -100,7 +101,7 @@ def run(settings: Settings) -> int:
         shown = ", ".join(Upstream(url, timeout=0, connect_timeout=0).base_url for url in urls)  # no credentials
         print(f"rl-proxy on http://{settings.host}:{settings.port}/v1 -> {shown}; db {shown_url(settings.db)}")
         if settings.workers > 1:
-            return 1 if serve_workers(settings, vllm) else 0
+            return serve_workers(settings, vllm)
         server = uvicorn.Server(
             uvicorn.Config(
                 create_app(settings), settings.host, settings.port, access_log=False, timeout_keep_alive=KEEP_ALIVE
@@ -115,12 +116,13 @@ def run(settings: Settings) -> int:
         return 1 if died else 0
 
 
-def serve_workers(settings: Settings, vllm: VllmServer | None) -> list[BackendError]:
+def serve_workers(settings: Settings, vllm: VllmServer | None) -> int:
     """`--workers N`: uvicorn's supervisor spawns N processes that take calls from one socket,
     each a proxy (`worker_app`) with its own event loop, caches and store connections, all on
     one store, as several proxies behind a balancer are (docs/deploying.md). Restarts a worker
     that dies. What they share: the marks they tell each other by (proxy/workers.py) and the
-    metrics' files, in a directory that lives as long as they do. Returns why vLLM died, if it did."""
+    metrics' files, in a directory that lives as long as they do. Exits as one process would: 1
+    if the vLLM it launched died, 3 if a worker could not start (its store, say)."""
     with tempfile.TemporaryDirectory(prefix="rl-proxy-workers-") as shared:
         marks = Path(shared) / "marks"
         Marks(marks)  # made before any worker maps it
@@ -139,7 +141,9 @@ def serve_workers(settings: Settings, vllm: VllmServer | None) -> list[BackendEr
         supervisor = Multiprocess(config, sockets=[config.bind_socket()])
         died = watch(vllm, lambda: not supervisor.should_exit.is_set(), supervisor.should_exit.set)
         supervisor.run()
-        return died
+        if any(worker.exitcode == STARTUP_FAILURE for worker in supervisor.processes):
+            return STARTUP_FAILURE
+        return 1 if died else 0
 
 
 def worker_app() -> FastAPI:

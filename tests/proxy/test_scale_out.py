@@ -4,6 +4,7 @@ and moved off a dead server; two proxy processes writing one PostgreSQL database
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -183,3 +184,11 @@ def test_serve_workers_share_the_trainers_version_announce_an_ended_session_and_
             assert proc.wait(30) == 0
     assert sorted(call.seq for call in read_calls(str(db))) == list(range(1, 21))
     assert [call.policy_version for call in read_calls(str(db))] == ["2"] * 20
+
+
+def test_serve_workers_that_cannot_start_exit_as_one_process_does(tmp_path: Path) -> None:
+    """A store it cannot open: 3, as uvicorn's one process exits, not 0 as its supervisor did."""
+    unreachable = f"postgresql://nobody@127.0.0.1:{free_port()}/none"
+    serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", "http://127.0.0.1:9/v1", "--db", unreachable]
+    done = subprocess.run([*serve, "--port", str(free_port()), "--workers", "2"], capture_output=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
