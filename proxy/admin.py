@@ -224,8 +224,7 @@ class SessionEnd(BaseModel, extra="forbid"):
 async def end_session(session_id: str, request: Request, body: SessionEnd | None = None) -> dict[str, Any]:
     await _existing(request, session_id)
     body = body or SessionEnd()
-    await _state(request).store.end_session(session_id, body.status, body.outcome)
-    _state(request).ended()
+    _state(request).ended(await _state(request).store.end_session(session_id, body.status, body.outcome))
     return session_json(await _existing(request, session_id))
 
 

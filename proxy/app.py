@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from proxy.admin import admin, names_loopback, ops
 from proxy.anthropic import router as anthropic_router
 from proxy.errors import BadRequest, Forbidden, ProxyError, install_handlers, refusal
+from proxy.metrics import Metrics
 from proxy.openai_api import router
 from proxy.responses import router as responses_router
 from proxy.settings import LOOPBACK, Settings
@@ -55,6 +56,7 @@ def create_app(settings: Settings, store: Store | None = None, marks: Marks | No
         store,
         upstreams,
         marks=marks,
+        metrics=Metrics(shared=marks is not None),
         threads=Threads(int(settings.thread_cache_mb * mib)),
         recent_responses=RecentResponses(int(settings.response_cache_mb * mib)),
     )

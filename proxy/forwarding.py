@@ -12,7 +12,7 @@ import logging
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from uuid import uuid4
 
@@ -262,6 +262,11 @@ class Call:
         return answer
 
     async def commit(self, call: CallRecord) -> None:
+        try:  # another worker took the trainer's announce since: the version the call ended on
+            if await self.state.upstreams.heard():
+                call = replace(call, policy_version_end=self.version_end())
+        except ProxyError as exc:  # recorded as this worker knows it
+            log.warning("call %s/%d: the announced policy version was not read: %s", self.session.id, self.seq, exc)
         try:
             with self.state.metrics.commit.time():
                 call = await self.state.store.record(call)

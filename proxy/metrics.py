@@ -6,6 +6,7 @@ answers `/metrics` sums them all."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
@@ -15,7 +16,11 @@ WAITS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        """`shared`: a worker's, whose counts are summed with the others'."""
+        self.shared = shared
+        if shared:
+            _forget_dead(os.environ[SHARED])
         self.registry = CollectorRegistry()
         self.calls = Counter("rlp_calls", "Model calls handled", ["api", "status"], registry=self.registry)
         self.tokens = Counter("rlp_tokens", "Tokens recorded", ["kind"], registry=self.registry)
@@ -57,7 +62,7 @@ class Metrics:
         )
 
     def render(self) -> bytes:
-        if SHARED not in os.environ:
+        if not self.shared:
             return generate_latest(self.registry)
         every = CollectorRegistry()
         multiprocess.MultiProcessCollector(every)
@@ -65,5 +70,17 @@ class Metrics:
 
     def close(self) -> None:
         """This process's live gauges leave the sums (its counts stay in them)."""
-        if SHARED in os.environ:
+        if self.shared:
             multiprocess.mark_process_dead(os.getpid())
+
+
+def _forget_dead(directory: str) -> None:
+    """The live gauges of workers that died without closing (killed, crashed) leave the sums."""
+    for path in Path(directory).glob("gauge_live*_*.db"):
+        pid = int(path.stem.rsplit("_", 1)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, directory)
+        except PermissionError:  # alive, another user's
+            pass

@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
+from uvicorn.supervisors.multiprocess import SIGNALS
 from uvloop import new_event_loop
 
 from proxy import heap, metrics
@@ -111,8 +112,11 @@ def run(settings: Settings) -> int:
         heap.settle()
         # uvloop, as uvicorn picks when it runs the loop itself (AppThread): asyncio's own loop
         # costs more a call (docs/benchmarks.md, "Where the milliseconds go").
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(server.serve())
+        try:
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                runner.run(server.serve())
+        finally:  # however it ended (a failed start exits): vLLM's stop below is no death
+            server.should_exit = True
         return 1 if died else 0
 
 
@@ -123,7 +127,8 @@ def serve_workers(settings: Settings, vllm: VllmServer | None) -> int:
     that dies. What they share: the marks they tell each other by (proxy/workers.py) and the
     metrics' files, in a directory that lives as long as they do. Exits as one process would: 1
     if the vLLM it launched died, 3 if a worker could not start (its store, say)."""
-    with tempfile.TemporaryDirectory(prefix="rl-proxy-workers-") as shared:
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the supervisor takes them
+    with tempfile.TemporaryDirectory(prefix="rl-proxy-workers-") as shared, _environ(metrics.SHARED, WORKER):
         marks = Path(shared) / "marks"
         Marks(marks)  # made before any worker maps it
         os.environ[metrics.SHARED] = shared
@@ -138,20 +143,44 @@ def serve_workers(settings: Settings, vllm: VllmServer | None) -> int:
             access_log=False,
             timeout_keep_alive=KEEP_ALIVE,
         )
-        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
-        died = watch(vllm, lambda: not supervisor.should_exit.is_set(), supervisor.should_exit.set)
-        supervisor.run()
+        try:
+            supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+            died = watch(vllm, lambda: not supervisor.should_exit.is_set(), supervisor.should_exit.set)
+            supervisor.run()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         if any(worker.exitcode == STARTUP_FAILURE for worker in supervisor.processes):
             return STARTUP_FAILURE
         return 1 if died else 0
 
 
+@contextmanager
+def _environ(*names: str) -> Iterator[None]:
+    """These environment variables as they were, afterwards."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def worker_app() -> FastAPI:
     """A worker's app: uvicorn calls this in each process it spawns, from what `serve_workers`
-    left in the environment."""
-    given = orjson.loads(os.environ[WORKER])
-    log_setup()
-    app = create_app(Settings(**given["settings"]), marks=Marks(Path(given["marks"])))
+    left in the environment. One that cannot be made exits as a failed start, which stops the
+    supervisor (uvicorn takes only a TypeError so, and restarts a worker that raised anything
+    else, for ever)."""
+    try:
+        given = orjson.loads(os.environ[WORKER])
+        log_setup()
+        app = create_app(Settings(**given["settings"]), marks=Marks(Path(given["marks"])))
+    except Exception:
+        log.exception("a worker's app could not be made")
+        sys.exit(STARTUP_FAILURE)
     heap.settle()
     return app
 

@@ -13,7 +13,7 @@ from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.threads import Threads
 from proxy.upstream import Upstreams
-from proxy.workers import ENDED, Marks
+from proxy.workers import Marks
 from recorder import CallRecord, SessionInfo
 from recorder.caches import ByteLRU
 from recorder.episodes import EndStatus, EpisodeOutcome
@@ -40,10 +40,10 @@ class Recorder(Protocol):
     ) -> Awaitable[None]: ...
     def end_session(
         self, session_id: str, status: EndStatus = "ended", outcome: EpisodeOutcome | None = None
-    ) -> Awaitable[None]: ...
+    ) -> Awaitable[str | None]: ...  # the session's key digest
     def recent_threads(self, session_id: str, limit: int) -> Awaitable[list[ThreadRecord]]: ...  # token-in
     def key_cache_usage(self) -> dict[str, int]: ...  # its sessions-by-key cache (/healthz)
-    def forget_sessions(self) -> None: ...  # empty that cache: another process ended a session
+    def forget_sessions(self, digests: list[str] | None) -> None: ...  # those keys (None: all) from that cache
     def stored_response(
         self, session_id: str, response_id: str
     ) -> Awaitable[tuple[dict[str, Any], dict[str, Any]] | None]: ...
@@ -100,19 +100,19 @@ class ProxyState:
     marks: Marks | None = None  # shared by the workers of `serve --workers N` (proxy/workers.py)
 
     def __post_init__(self) -> None:
-        self._ended_heard = b"" if self.marks is None else self.marks.read(ENDED)
+        self._ended_seen = 0 if self.marks is None else self.marks.ended_count()
 
-    def ended(self) -> None:
-        """A session ended here: the other workers are to forget the sessions they hold by key."""
-        if self.marks is not None:
-            self._ended_heard = self.marks.set(ENDED)
+    def ended(self, digest: str | None) -> None:
+        """A session ended here: its key digest, for the other workers to forget."""
+        if self.marks is not None and digest is not None:
+            self.marks.end(digest)
 
     def forget_ended(self) -> None:
-        """Before a call's session is looked up: if another worker ended a session since, read
-        every session again (its key cache emptied), so that none ended is taken as active."""
-        if self.marks is not None and (said := self.marks.read(ENDED)) != self._ended_heard:
-            self._ended_heard = said
-            self.store.forget_sessions()
+        """Before a call's session is looked up: the sessions other workers ended since are read
+        again (all of them, if too many ended to name), so that none ended is taken as active."""
+        if self.marks is not None and self.marks.ended_count() != self._ended_seen:
+            self._ended_seen, digests = self.marks.ended_since(self._ended_seen)
+            self.store.forget_sessions(digests)
 
     def caches(self) -> dict[str, dict[str, int]]:
         """Each per-process cache's entries, bytes and budget (/healthz)."""

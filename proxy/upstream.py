@@ -31,7 +31,7 @@ import orjson
 
 from proxy.bridge import CARD
 from proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
-from proxy.workers import VERSION, Marks
+from proxy.workers import Marks
 
 log = logging.getLogger("rl_proxy.upstream")
 
@@ -263,7 +263,7 @@ class Upstreams:
         self.members = members
         self._prober: asyncio.Task[None] | None = None
         self.marks = marks  # shared by the workers of `serve --workers N` (proxy/workers.py), if any
-        self._heard = b"" if marks is None else marks.read(VERSION)
+        self._heard = b""  # a worker (re)started after an announce reads the version before its first call
         self._hearing = asyncio.Lock()
 
     @staticmethod
@@ -327,22 +327,21 @@ class Upstreams:
         version, whichever worker serves it."""
         await self._read_versions()
         if self.marks is not None:
-            self._heard = self.marks.set(VERSION)
+            self._heard = self.marks.announce()
 
-    async def heard(self) -> None:
-        """Before a call is stamped: if another worker took an announce since, read the versions
-        again first. The calls meanwhile wait for the same read."""
-        if self.marks is None or self.marks.read(VERSION) == self._heard:
-            return
+    async def heard(self) -> bool:
+        """Before a call is stamped, and before it is recorded: if another worker took an
+        announce since, read the versions again first (True). The calls meanwhile wait for the
+        same read; one that fails raises, and the next call reads again."""
+        if self.marks is None or self.marks.announced() == self._heard:
+            return False
         async with self._hearing:
-            said = self.marks.read(VERSION)
+            said = self.marks.announced()
             if said == self._heard:
-                return
-            try:
-                await self._read_versions()
-            except ProxyError as exc:  # the poll goes on reading it
-                log.warning("the announced policy version was not read: %s", exc)
+                return True
+            await self._read_versions()
             self._heard = said
+            return True
 
     async def _read_versions(self) -> None:
         await asyncio.gather(*(u.refresh_version(patient=False) for u in self.members))

@@ -1,31 +1,61 @@
-"""What the workers of `rl-proxy serve --workers N` tell each other: a few 8-byte marks in one
-file that every worker maps. The worker that changes something the others hold in memory sets
-its mark anew (random bytes: no counter to race on); another worker that finds a mark it has not
-seen acts on it before its next call. A read is a slice of the map: no system call on a call's
-path. One process (no workers) has no marks."""
+"""What the workers of `rl-proxy serve --workers N` tell each other, through one small file that
+every worker maps: the trainer's announce of a new policy version, and the sessions ended through
+the admin API. The worker that takes either writes it there; another worker finds it before its
+next call (a read is a slice of the map: no system call on a call's path) and acts on it. One
+process (no workers) has no marks.
+
+The file: the announce (8 bytes, set anew to random bytes: no counter to race on), the count of
+sessions ended (8 bytes), then the key digests of the last RING of them, each in the slot of its
+number; writers take the file's lock, readers none (a slot is written before the count)."""
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from pathlib import Path
 
-VERSION = 0  # the trainer announced a new policy version: read it again before stamping a call
-ENDED = 1  # a session ended through the admin API: the sessions held by key are read again
-SIZE, COUNT = 8, 2
+RING = 256  # ended sessions' digests kept: a worker that missed more forgets every session it holds
+DIGEST = 32  # a key digest's SHA-256 (recorder.schema.key_digest), as bytes
+PREFIX = "sha256:"
+_COUNT, _RING = 8, 16
+SIZE = _RING + RING * DIGEST
 
 
 class Marks:
     def __init__(self, path: Path) -> None:
         if not path.exists():
-            path.write_bytes(bytes(SIZE * COUNT))
-        with path.open("r+b") as file:
-            self._map = mmap.mmap(file.fileno(), SIZE * COUNT)
+            path.write_bytes(bytes(SIZE))
+        self._file = path.open("r+b")
+        self._map = mmap.mmap(self._file.fileno(), SIZE)
 
-    def read(self, mark: int) -> bytes:
-        return self._map[SIZE * mark : SIZE * (mark + 1)]
+    def announced(self) -> bytes:
+        return self._map[:_COUNT]
 
-    def set(self, mark: int) -> bytes:
-        said = os.urandom(SIZE)
-        self._map[SIZE * mark : SIZE * (mark + 1)] = said
+    def announce(self) -> bytes:
+        said = os.urandom(_COUNT)
+        self._map[:_COUNT] = said
         return said
+
+    def ended_count(self) -> int:
+        return int.from_bytes(self._map[_COUNT:_RING], "little")
+
+    def end(self, digest: str) -> None:
+        """A session ended here: its key digest, for the other workers to forget."""
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        try:
+            count = self.ended_count() + 1
+            at = _RING + (count % RING) * DIGEST
+            self._map[at : at + DIGEST] = bytes.fromhex(digest.removeprefix(PREFIX))
+            self._map[_COUNT:_RING] = count.to_bytes(8, "little")
+        finally:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+
+    def ended_since(self, seen: int) -> tuple[int, list[str] | None]:
+        """The count now, and the digests of the sessions ended after the `seen`th: None if the
+        ring no longer holds them all."""
+        count = self.ended_count()
+        slots = [_RING + (n % RING) * DIGEST for n in range(seen + 1, count + 1)]
+        digests = [PREFIX + self._map[at : at + DIGEST].hex() for at in slots]
+        overwritten = self.ended_count() - seen > RING  # read again: a writer may have lapped us meanwhile
+        return count, None if overwritten else digests

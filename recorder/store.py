@@ -115,7 +115,7 @@ class Store(Reads):
         self._by_key: ByteLRU[str, SessionInfo] = ByteLRU(KEY_CACHE_BYTES, _session_bytes, self._forget)
         self._digest_of: dict[str, str] = {}  # session id: its key digest, for what _by_key holds
         self._creating: dict[str, asyncio.Future[None]] = {}  # key digest: its session's insert
-        self._forgotten = 0  # times `forget_sessions` emptied _by_key
+        self._forgotten = 0  # times `forget_sessions` dropped sessions from _by_key
         self._new_ids: set[str] = set()  # ids of those sessions
 
     async def __aenter__(self) -> Store:
@@ -221,7 +221,7 @@ class Store(Reads):
 
         forgotten = self._forgotten
         info = await self.read(find)
-        if info is not None and forgotten == self._forgotten:  # not read before the cache was emptied
+        if info is not None and forgotten == self._forgotten:  # not read before sessions were forgotten
             self._remember(digest, info)
         return info
 
@@ -236,9 +236,16 @@ class Store(Reads):
     def key_cache_usage(self) -> dict[str, int]:
         return self._by_key.usage()
 
-    def forget_sessions(self) -> None:
-        """Empty the sessions-by-key cache: another process ended a session it may hold."""
-        self._by_key.clear()
+    def forget_sessions(self, digests: list[str] | None) -> None:
+        """Drop these keys' sessions from the sessions-by-key cache (None: every one): another
+        process ended them. A read begun before is not kept either."""
+        if digests is None:
+            self._by_key.clear()  # cachetools' clear: `_forget` is not called
+            self._digest_of.clear()
+        for digest in digests or ():
+            info = self._by_key.pop(digest, None)
+            if info is not None:
+                self._digest_of.pop(info.id, None)
         self._forgotten += 1
 
     @translated
@@ -333,17 +340,18 @@ class Store(Reads):
     @translated
     async def end_session(
         self, session_id: str, status: SessionStatus = "ended", outcome: EpisodeOutcome | None = None
-    ) -> None:
+    ) -> str | None:
         """Mark a session finished: `status` says how ("ended", or an episode's own status), and
-        an episode's runner gives its `outcome`."""
+        an episode's runner gives its `outcome`. Returns its key's digest (None: no such session)."""
         values: dict[str, Any] = {"status": status, "ended_at": utcnow()}
         if outcome is not None:
             values["outcome"] = outcome.model_dump(mode="json")
-        ended = update(SessionRow).where(SessionRow.id == session_id).values(values)
-        await self.submit(lambda conn: conn.execute(ended))
+        ended = update(SessionRow).where(SessionRow.id == session_id).values(values).returning(SessionRow.key)
+        key: str | None = await self.submit(lambda conn: conn.execute(ended).scalar())
         digest = self._digest_of.pop(session_id, None)
         if digest is not None:
             self._by_key.pop(digest, None)
+        return key
 
     @translated
     async def save_run(self, run: str, rule: RewardRule, settings: dict[str, Any]) -> None:
