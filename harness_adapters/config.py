@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harness_adapters.engines import LocalRollouts, RolloutsConfig
 from harness_adapters.environments import ContainerEnvironment, Environment, HostEnvironment
@@ -144,6 +144,14 @@ class ProxyConfig(Settings):
 
     url: str | None = Field(None, description="use this running rl-proxy (its root URL) instead of starting one")
     upstream_api_key_env: str | None = Field(None, description="the variable holding the upstream's API key")
+
+    @model_validator(mode="after")
+    def _one_process(self) -> ProxyConfig:
+        if self.workers > 1 and self.url is None:  # the run's own proxy is a thread of the run
+            raise ValueError(
+                "workers: the run's own proxy is one process; run `rl-proxy serve --workers N` and give its URL as url"
+            )
+        return self
 
     def settings(self, out_dir: Path) -> Settings:
         """The proxy's settings for a run whose outputs go to `out_dir`."""

@@ -18,8 +18,8 @@ from pathlib import Path
 RING = 256  # ended sessions' digests kept: a worker that missed more forgets every session it holds
 DIGEST = 32  # a key digest's SHA-256 (recorder.schema.key_digest), as bytes
 PREFIX = "sha256:"
-_COUNT, _RING = 8, 16
-SIZE = _RING + RING * DIGEST
+ANNOUNCE, COUNT, RING_AT = slice(0, 8), slice(8, 16), 16  # where each lies in the file
+SIZE = RING_AT + RING * DIGEST
 
 
 class Marks:
@@ -30,24 +30,24 @@ class Marks:
         self._map = mmap.mmap(self._file.fileno(), SIZE)
 
     def announced(self) -> bytes:
-        return self._map[:_COUNT]
+        return self._map[ANNOUNCE]
 
     def announce(self) -> bytes:
-        said = os.urandom(_COUNT)
-        self._map[:_COUNT] = said
+        said = os.urandom(ANNOUNCE.stop)
+        self._map[ANNOUNCE] = said
         return said
 
     def ended_count(self) -> int:
-        return int.from_bytes(self._map[_COUNT:_RING], "little")
+        return int.from_bytes(self._map[COUNT], "little")
 
     def end(self, digest: str) -> None:
         """A session ended here: its key digest, for the other workers to forget."""
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
         try:
             count = self.ended_count() + 1
-            at = _RING + (count % RING) * DIGEST
+            at = RING_AT + (count % RING) * DIGEST
             self._map[at : at + DIGEST] = bytes.fromhex(digest.removeprefix(PREFIX))
-            self._map[_COUNT:_RING] = count.to_bytes(8, "little")
+            self._map[COUNT] = count.to_bytes(8, "little")
         finally:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
 
@@ -55,7 +55,9 @@ class Marks:
         """The count now, and the digests of the sessions ended after the `seen`th: None if the
         ring no longer holds them all."""
         count = self.ended_count()
-        slots = [_RING + (n % RING) * DIGEST for n in range(seen + 1, count + 1)]
+        if count - seen > RING:
+            return count, None
+        slots = [RING_AT + (n % RING) * DIGEST for n in range(seen + 1, count + 1)]
         digests = [PREFIX + self._map[at : at + DIGEST].hex() for at in slots]
-        overwritten = self.ended_count() - seen > RING  # read again: a writer may have lapped us meanwhile
-        return count, None if overwritten else digests
+        lapped = self.ended_count() - seen > RING  # read again: a writer may have overwritten one meanwhile
+        return count, None if lapped else digests

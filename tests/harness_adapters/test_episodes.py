@@ -465,3 +465,9 @@ def test_the_proxy_section_takes_the_serve_settings(tmp_path: Path, monkeypatch:
     )
     with pytest.raises(ConfigError, match=r"proxy\.token_ids: Extra inputs are not permitted"):
         load_config(tmp_path / "c.yaml", CollectConfig)
+    # Its own proxy runs in the run's process: workers are for `rl-proxy serve`, used through `url`.
+    (tmp_path / "c.yaml").write_text(
+        "run: x\ntasks: t.jsonl\nharness: {type: command, argv: [x]}\nproxy: {workers: 4}\n"
+    )
+    with pytest.raises(ConfigError, match=r"rl-proxy serve --workers N"):
+        load_config(tmp_path / "c.yaml", CollectConfig)

@@ -39,8 +39,10 @@ from proxy.state import RecentResponses
 from proxy.threads import Answer, Plan, Threads, _digest, exact, thread_state, tools_key
 from proxy.upstream import VERSION_PATIENCE, Upstream
 from proxy.vllm import VllmServer, dtype_args, free_port
+from proxy.workers import RING, Marks
 from recorder.caches import ENTRY
 from recorder.records import ThreadRecord
+from recorder.schema import key_digest
 
 
 def test_plain_key_names_the_session_but_a_secret_one_does_not() -> None:
@@ -782,3 +784,20 @@ def test_the_vllm_it_starts_logs_its_warnings_though_trl_was_imported(tmp_path: 
     finally:
         server.stop()
     assert (tmp_path / "log").read_text().strip() == "INFO"
+
+
+def test_the_workers_marks_name_each_ended_session_until_the_ring_laps(tmp_path: Path) -> None:
+    """Two workers' maps of one file: what one writes the other reads, and a worker that missed
+    more ended sessions than the ring holds is told to forget all it holds."""
+    ending, reading = Marks(tmp_path / "marks"), Marks(tmp_path / "marks")
+    digests = [key_digest(f"key {i}") for i in range(RING + 3)]
+    for digest in digests[:3]:
+        ending.end(digest)
+    assert reading.ended_since(0) == (3, digests[:3])
+    assert reading.ended_since(2) == (3, digests[2:3])
+    said = ending.announce()
+    assert reading.announced() == said != bytes(8)
+    for digest in digests[3:]:
+        ending.end(digest)
+    assert reading.ended_since(3) == (RING + 3, digests[3:])  # just the ring's worth
+    assert reading.ended_since(2) == (RING + 3, None)
