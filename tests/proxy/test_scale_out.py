@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,53 @@ def test_serve_workers_share_the_trainers_version_announce_ended_sessions_and_th
     recorded = read_calls(str(db))
     assert sorted(call.seq for call in recorded if call.session_id == "w") == list(range(1, (calls + 1) // 2 + 1))
     assert [call.policy_version for call in recorded] == ["2"] * calls
+
+
+def test_a_call_in_flight_on_another_worker_across_an_announce_records_the_version_it_ended_on(
+    tmp_path: Path,
+) -> None:
+    """A call that one worker serves while the trainer's announce reaches the other: recorded as
+    started on the old version and ended on the new, as one process records it."""
+    upstream = stub_app()
+    weights = {"weight_version": "1"}
+
+    @upstream.get("/weight_info")
+    async def weight_info() -> dict[str, str]:
+        return weights
+
+    @upstream.middleware("http")
+    async def slow(request: Any, call_next: Any) -> Any:
+        if request.url.path.endswith("/chat/completions") and b"slow" in await request.body():
+            await asyncio.sleep(3)
+        return await call_next(request)
+
+    def pid(client: httpx.Client) -> int:
+        return int(client.get(f"{base}/healthz").json()["pid"])
+
+    db, port = tmp_path / "w.db", free_port()
+    base = f"http://127.0.0.1:{port}"
+    with AppThread(upstream) as stub:
+        serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", f"{stub.url}/v1", "--db", str(db)]
+        serve += ["--port", str(port), "--workers", "2"]
+        env = {"RLP_VERSION_POLL_INTERVAL": "3600"}
+        with process(serve, f"{base}/healthz", tmp_path / "serve.log", env), httpx.Client(timeout=30) as calling:
+            serving = pid(calling)  # the worker of this client's one connection
+            for _ in range(100):  # a connection to the other worker
+                announcing = httpx.Client(timeout=30)
+                if pid(announcing) != serving:
+                    break
+                announcing.close()
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "slow"}]}
+            with ThreadPoolExecutor(1) as pool:
+                call = pool.submit(calling.post, f"{base}/v1/chat/completions", json=body, headers={"x-api-key": "s"})
+                time.sleep(1.5)  # the call is waiting for its answer
+                weights["weight_version"] = "2"
+                assert pid(announcing) != serving
+                assert announcing.post(f"{base}/admin/policy_version/refresh").json()["policy_version"] == "2"
+                announcing.close()
+                assert call.result().status_code == 200
+    [recorded] = read_calls(str(db))
+    assert (recorded.policy_version, recorded.policy_version_end) == ("1", "2")
 
 
 @pytest.mark.parametrize("db", ["postgresql://nobody@127.0.0.1:{port}/none", "nosuch://x"])
