@@ -131,7 +131,8 @@ class ProxyState:
         m.tokens.labels("prompt").inc(len(call.prompt_token_ids))
         m.tokens.labels("completion").inc(sum(len(c.token_ids) for c in call.completions))
         m.latency.labels(call.api).observe(call.latency_ms / 1000.0)
-        self.gauge()
+        if m.shared:  # a worker's gauges are summed as it last set them; one process sets them at a scrape
+            self.gauge()
 
     def gauge(self) -> None:
         self.metrics.queue_depth.set(self.store.queue_depth)

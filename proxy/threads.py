@@ -305,7 +305,7 @@ class Threads:
         for data in later:
             running.update(b"," + data)
         running.update(b"]")
-        digests = [_exact(m, data) for m, data in zip(messages[len(held.messages) :], later, strict=True)]
+        digests = [_exact(m, data) for m, data in zip(messages[n:], later, strict=True)]
         whole = None if any(HINT in data for data in later) else running.digest()
         return Keys(held.messages + digests, tools_key(body), whole)
 

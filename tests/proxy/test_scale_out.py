@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from benchmarks.support.load import Load, reply, request, verify
 from benchmarks.support.stack import process, read_calls
@@ -127,6 +128,24 @@ def test_two_proxy_processes_write_one_postgres_database(postgres: str, tmp_path
     assert verify(db, load) == []  # every turn recorded once, in order, whole
 
 
+def versioned_stub() -> tuple[FastAPI, dict[str, str]]:
+    """The stub upstream with vLLM's `GET /weight_info`, and the weights it reports (to change)."""
+    upstream = stub_app()
+    weights = {"weight_version": "1"}
+
+    @upstream.get("/weight_info")
+    async def weight_info() -> dict[str, str]:
+        return weights
+
+    return upstream, weights
+
+
+def two_workers(upstream: str, db: str, port: int) -> list[str]:
+    """`rl-proxy serve --workers 2`'s command line."""
+    serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", upstream, "--db", db]
+    return [*serve, "--port", str(port), "--workers", "2"]
+
+
 def test_serve_workers_share_the_trainers_version_announce_ended_sessions_and_their_metrics(
     tmp_path: Path,
 ) -> None:
@@ -136,13 +155,8 @@ def test_serve_workers_share_the_trainers_version_announce_ended_sessions_and_th
     their version polls are an hour apart, so only the announce passed between the workers can
     say it. Sessions ended through either worker are refused by both, though both held them.
     `/metrics`, whichever worker answers, counts every call."""
-    upstream = stub_app()
-    weights = {"weight_version": "1"}
+    upstream, weights = versioned_stub()
     served_from: set[int] = set()  # the upstream connections' ports: each worker has its own
-
-    @upstream.get("/weight_info")
-    async def weight_info() -> dict[str, str]:
-        return weights
 
     @upstream.middleware("http")
     async def note(request: Any, call_next: Any) -> Any:
@@ -168,8 +182,7 @@ def test_serve_workers_share_the_trainers_version_announce_ended_sessions_and_th
     db, port = tmp_path / "w.db", free_port()
     base = f"http://127.0.0.1:{port}"
     with AppThread(upstream) as stub:
-        serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", f"{stub.url}/v1", "--db", str(db)]
-        serve += ["--port", str(port), "--workers", "2"]
+        serve = two_workers(f"{stub.url}/v1", str(db), port)
         with process(serve, f"{base}/healthz", tmp_path / "serve.log", {"RLP_VERSION_POLL_INTERVAL": "3600"}) as proc:
             assert list(workers().values()) == ["1", "1"]
             weights["weight_version"] = "2"
@@ -200,12 +213,7 @@ def test_a_call_in_flight_on_another_worker_across_an_announce_records_the_versi
 ) -> None:
     """A call that one worker serves while the trainer's announce reaches the other: recorded as
     started on the old version and ended on the new, as one process records it."""
-    upstream = stub_app()
-    weights = {"weight_version": "1"}
-
-    @upstream.get("/weight_info")
-    async def weight_info() -> dict[str, str]:
-        return weights
+    upstream, weights = versioned_stub()
 
     @upstream.middleware("http")
     async def slow(request: Any, call_next: Any) -> Any:
@@ -219,8 +227,7 @@ def test_a_call_in_flight_on_another_worker_across_an_announce_records_the_versi
     db, port = tmp_path / "w.db", free_port()
     base = f"http://127.0.0.1:{port}"
     with AppThread(upstream) as stub:
-        serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", f"{stub.url}/v1", "--db", str(db)]
-        serve += ["--port", str(port), "--workers", "2"]
+        serve = two_workers(f"{stub.url}/v1", str(db), port)
         env = {"RLP_VERSION_POLL_INTERVAL": "3600"}
         with process(serve, f"{base}/healthz", tmp_path / "serve.log", env), httpx.Client(timeout=30) as calling:
             serving = pid(calling)  # the worker of this client's one connection
@@ -246,7 +253,6 @@ def test_a_call_in_flight_on_another_worker_across_an_announce_records_the_versi
 def test_serve_workers_that_cannot_start_exit_as_one_process_does(db: str) -> None:
     """A store it cannot reach, or cannot even name: 3, as uvicorn's one process exits (its
     supervisor exited 0 for the one, and restarted workers for ever for the other)."""
-    serve = [sys.executable, "-m", "proxy.cli", "serve", "--upstream", "http://127.0.0.1:9/v1"]
-    serve += ["--db", db.format(port=free_port()), "--port", str(free_port()), "--workers", "2"]
+    serve = two_workers("http://127.0.0.1:9/v1", db.format(port=free_port()), free_port())
     done = subprocess.run(serve, capture_output=True, timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]
