@@ -256,3 +256,30 @@ def test_serve_workers_that_cannot_start_exit_as_one_process_does(db: str) -> No
     serve = two_workers("http://127.0.0.1:9/v1", db.format(port=free_port()), free_port())
     done = subprocess.run(serve, capture_output=True, timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]
+
+
+def test_a_killed_workers_live_gauges_leave_the_sums(tmp_path: Path) -> None:
+    """A worker that dies without closing (killed, crashed) leaves its gauge file behind; the next
+    worker to start drops it, so `/metrics` sums the live workers' gauges only."""
+    worker = (
+        "import os, sys\n"
+        "from proxy.metrics import Metrics\n"
+        "metrics = Metrics(shared=True)\n"
+        "metrics.record_failures.set(float(sys.argv[1]))\n"
+        "sys.stdout.write(metrics.render().decode()); sys.stdout.flush()\n"
+        "os._exit(0)  # as a killed worker: no close\n"
+    )
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+
+    def failures(text: str) -> float:
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("rlp_record_failures ")))
+
+    def run(value: int) -> str:
+        argv = [sys.executable, "-c", worker, str(value)]
+        done = subprocess.run(argv, env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert failures(run(3)) == 3  # its own, while alive
+    assert len(list(tmp_path.glob("gauge_live*_*.db"))) == 1  # left behind
+    assert failures(run(4)) == 4  # the dead worker's 3 not summed in
