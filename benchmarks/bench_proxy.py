@@ -197,7 +197,8 @@ def main() -> None:
             }
             before = {name: read() for name, read in watched.items()}
             urls = {name: f"http://127.0.0.1:{port}/v1" for name, port in ports.items()}
-            token_in = token_in_cost(urls | {"recording floor": recording, "token-in floor": rendering}, args)
+            targets = urls | {"recording floor": recording, "token-in floor": rendering}
+            token_in, by_round = token_in_cost(targets, args)
             waited = {name: mean_waits(before[name], read()) for name, read in watched.items()}
         sent_to_token_in = token_in.pop("sent")
         for name, store in stores.items():
@@ -251,6 +252,12 @@ def main() -> None:
         f"| {t['token-in'] - t['messages']:.2f} | {t['read back'] - t['token-in']:.2f} "
         f"| {t['/tokenize'] - t['token-in']:.2f} | {t['recording floor']:.2f} | {t['token-in floor']:.2f} "
         f"| {t['token-in floor'] - t['recording floor']:.2f} |"
+    )
+    differences = [a - b for a, b in zip(by_round["token-in"], by_round["messages"], strict=True)]
+    print(
+        f"\nToken-in added round by round (each round's median less messages mode's in the same round): median "
+        f"{statistics.median(differences):.2f} ms, from {min(differences):.2f} to {max(differences):.2f} over "
+        f"{len(differences)} rounds"
     )
     w = waited
     print(
@@ -360,16 +367,22 @@ def mean_waits(before: dict[str, tuple[float, float]], after: dict[str, tuple[fl
     }
 
 
-def token_in_cost(targets: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
-    """Each target's median continuation latency, rounds interleaved; `sent`: calls to each."""
+def token_in_cost(targets: dict[str, str], args: argparse.Namespace) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Each target's median continuation latency over all rounds, and its median in each round;
+    the targets' order is reversed every other round, so that none is always the first after a
+    pause or the last behind the others' writes."""
     level = args.api_level
     count = max(level * 2, int(args.seconds * level / args.latency / 3))
     got: dict[str, list[float]] = {name: [] for name in targets}
+    rounds: dict[str, list[float]] = {name: [] for name in targets}
     for round_ in range(args.rounds):
-        for name, url in targets.items():
-            got[name] += asyncio.run(sessions(url, level, count, f"bench-ti-{name.replace(' ', '-')}-{round_}"))
+        for name, url in list(targets.items())[:: -1 if round_ % 2 else 1]:
+            latencies = asyncio.run(sessions(url, level, count, f"bench-ti-{name.replace(' ', '-')}-{round_}"))
+            got[name] += latencies
+            rounds[name].append(statistics.median(latencies))
     print("  token-in: done", file=sys.stderr)
-    return {**{name: statistics.median(values) for name, values in got.items()}, "sent": 3 * count * args.rounds}
+    medians = {name: statistics.median(values) for name, values in got.items()}
+    return {**medians, "sent": 3 * count * args.rounds}, rounds
 
 
 if __name__ == "__main__":
