@@ -237,8 +237,8 @@ class Store(Reads):
         return self._by_key.usage()
 
     def forget_sessions(self, digests: list[str] | None) -> None:
-        """Drop these keys' sessions from the sessions-by-key cache (None: every one): another
-        process ended them. A read begun before is not kept either."""
+        """Drop these keys' sessions from the sessions-by-key cache (None: every one): they ended,
+        here or in another process. A read begun before is not kept either."""
         if digests is None:
             self._by_key.clear()  # cachetools' clear: `_forget` is not called
             self._digest_of.clear()
@@ -348,9 +348,8 @@ class Store(Reads):
             values["outcome"] = outcome.model_dump(mode="json")
         ended = update(SessionRow).where(SessionRow.id == session_id).values(values).returning(SessionRow.key)
         key: str | None = await self.submit(lambda conn: conn.execute(ended).scalar())
-        digest = self._digest_of.pop(session_id, None)
-        if digest is not None:
-            self._by_key.pop(digest, None)
+        if key is not None:
+            self.forget_sessions([key])
         return key
 
     @translated
