@@ -9,7 +9,8 @@ All targets answer the same request from the same fixed-latency STUB upstream
                        stack recording each call through the same store, and nothing else)
 At each concurrency, rounds alternate between targets so that machine noise hits all targets
 alike. Added latency = a target's latency minus the direct median of the same level and round.
-The load generator is aiohttp in this process; servers run in their own processes.
+The load generator is aiohttp in this process; servers run in their own processes; with
+--proxy-cpus the proxies and floors run on CPUs of their own (benchmarks/support/cpus.py).
 
 A second table gives the cost of translation: the same question asked of rl-proxy as Chat
 Completions, Anthropic Messages and OpenAI Responses (each translated to a chat call upstream),
@@ -49,6 +50,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.support import cpus
 from benchmarks.support.load import p99
 from benchmarks.support.passthrough import floor
 from benchmarks.support.stack import process
@@ -94,7 +96,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0, help="approximate length of one batch")
     parser.add_argument("--api-level", type=int, default=16, help="concurrency of the translation table")
+    parser.add_argument(
+        "--proxy-cpus", help="the proxies' own CPUs, as taskset writes them (0 or 0-3); the load and stubs get the rest"
+    )
     args = parser.parse_args()
+    proxy_cpus = cpus.parse(args.proxy_cpus) if args.proxy_cpus else set()
+    split = cpus.split(proxy_cpus) if proxy_cpus else ""
+
+    def own_cpus(*pids: int) -> None:
+        """The proxies' (and floors') processes on their CPUs, if they have their own."""
+        for pid in pids if proxy_cpus else ():
+            cpus.pin(pid, proxy_cpus)
+
     work = Path(tempfile.mkdtemp(prefix="rlp-bench-"))
     stub_port, rlp_port, litellm_port = free_port(), free_port(), free_port()
     stub = f"http://127.0.0.1:{stub_port}/v1"
@@ -114,15 +127,16 @@ def main() -> None:
             [py, "-m", "proxy.cli", "serve", "--upstream", stub, "--db", str(db), "--port", str(rlp_port)],
             f"http://127.0.0.1:{rlp_port}/healthz",
             work / "rl-proxy.log",
-        ),
+        ) as rlp,
         process(
             [litellm, "--config", str(work / "litellm.yaml"), "--port", str(litellm_port)],
             f"http://127.0.0.1:{litellm_port}/health/liveliness",
             work / "litellm.log",
             env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY},
-        ),
-        floor(stub, work / "recording-floor.log", str(work / "recording-floor.db")) as (recording, _),
+        ) as litellm_proxy,
+        floor(stub, work / "recording-floor.log", str(work / "recording-floor.db")) as (recording, recording_pid),
     ):
+        own_cpus(rlp.pid, litellm_proxy.pid, recording_pid)
         targets = {
             "direct": f"{stub}/chat/completions",
             "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
@@ -180,14 +194,15 @@ def main() -> None:
                 f"{unbridged}/models",
                 work / "unbridged.log",
             ),
-            proxy("token-in"),
+            proxy("token-in") as token_in_proxy,
             # a thread cache that holds one session's threads (5,200 bytes): each continuing call
             # finds its own evicted by the other sessions', reads them back and continues
-            proxy("read back", env={"RLP_THREAD_CACHE_MB": "0.008"}),
-            proxy("/tokenize", upstream=unbridged),  # an upstream that makes no bridges
-            proxy("messages", "--messages-mode"),
-            floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, _),
+            proxy("read back", env={"RLP_THREAD_CACHE_MB": "0.008"}) as read_back_proxy,
+            proxy("/tokenize", upstream=unbridged) as tokenize_proxy,  # an upstream that makes no bridges
+            proxy("messages", "--messages-mode") as messages_proxy,
+            floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, pid),
         ):
+            own_cpus(token_in_proxy.pid, read_back_proxy.pid, tokenize_proxy.pid, messages_proxy.pid, pid)
             watched = {
                 **{
                     name: partial(proxy_waits, f"http://127.0.0.1:{ports[name]}")
@@ -210,6 +225,8 @@ def main() -> None:
                 lost = continuing - token_in_calls
                 sys.exit(f"the {name} proxy sent {lost} of {continuing} continuations as messages")
     recorded = sqlite3.connect(db).execute("select count(*) from calls").fetchone()[0]
+    if split:
+        print(f"\n{split}")
     print(
         f"\nAdded latency over a direct call, ms (stub upstream: fixed {args.latency * 1000:.0f} ms, not vLLM; "
         f"{args.rounds} interleaved rounds)\n"

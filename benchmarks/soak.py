@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from benchmarks.support import cpus
 from benchmarks.support.load import KINDS, Load, p99, proxy, run_load, stack, verify
 from benchmarks.support.passthrough import floor
 from benchmarks.support.stack import new_database
@@ -52,7 +53,7 @@ def soak(stores: list[str], sessions: int, seconds: float, latency: float) -> li
     return rows
 
 
-def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
+def bench(sessions: int, seconds: float, rounds: int, latency: float, proxy_cpus: set[int]) -> None:
     """Calls/s recorded into each store at `sessions` clients, the latency the proxy adds over a
     direct call to the stub, and the CPU its process spends a call (and of it, its main thread's:
     the event loop's); rounds alternate between targets against machine noise. Beside them the
@@ -64,7 +65,8 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     by the upstream's /tokenize first: the least a proxy adds that cuts the bridge itself, which
     rl-proxy does only in front of a vLLM without its plugin; the stub bridges as the plugin
     does), rl-proxy in messages mode (no token-in), what token-in costs, and rl-proxy as two
-    processes (`serve --workers 2`), its CPU and its loops' summed over both."""
+    processes (`serve --workers 2`), its CPU and its loops' summed over both. With `proxy_cpus`,
+    the proxies and floors run on those CPUs and the load, the stub and PostgreSQL on the rest."""
     import psutil  # vLLM's dependency
 
     def seconds_of(server: psutil.Process) -> tuple[float, float]:
@@ -78,6 +80,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
     floors = ("passthrough", "recording-sqlite", "recording-postgresql", "rendering-sqlite")
     samples: dict[str, list[Load]] = {name: [] for name in ("direct", *floors, *proxies)}
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in samples}  # ms a call: process, loop
+    split = cpus.split(proxy_cpus) if proxy_cpus else ""
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
         dbs["sqlite-messages"] = str(Path(tempfile.mkdtemp()) / "messages.db")
         dbs["sqlite-2-workers"] = str(Path(tempfile.mkdtemp()) / "workers.db")
@@ -95,6 +98,9 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
             log = Path(tempfile.mkdtemp()) / "proxy.log"
             base, pid = running.enter_context(proxy(upstream, dbs[kind], log, *options))
             bases[kind] = (base, psutil.Process(pid))
+        for _, server in bases.values() if proxy_cpus else ():
+            if server:
+                cpus.pin(server.pid, proxy_cpus)
         for round_ in range(rounds):
             for name, (base, server) in bases.items():
                 before = seconds_of(server) if server else (0.0, 0.0)
@@ -108,6 +114,8 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float) -> None:
             print(f"  round {round_ + 1}/{rounds} done", file=sys.stderr)
         problems = {kind: [p for load in samples[kind] for p in verify(db, load)] for kind, db in dbs.items()}
     direct = statistics.median(x for load in samples["direct"] for x in load.latencies)
+    if split:
+        print(f"\n{split}")
     print(
         f"\nCalls recorded per second at {sessions} concurrent clients, multi-turn chat (stub upstream: "
         f"fixed {latency * 1000:.0f} ms, not vLLM; {rounds} interleaved rounds of {seconds:.0f} s); the last "
@@ -153,9 +161,11 @@ def main() -> None:
     parser.add_argument("--stores", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
     parser.add_argument("--bench", action="store_true", help="the store benchmark table instead of the soak")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--proxy-cpus", help="bench: the proxies' own CPUs (0 or 0-3); the load and stub get the rest")
     args = parser.parse_args()
     if args.bench:
-        bench(args.sessions, min(args.seconds, 10.0), args.rounds, args.latency)
+        proxy_cpus = cpus.parse(args.proxy_cpus) if args.proxy_cpus else set()
+        bench(args.sessions, min(args.seconds, 10.0), args.rounds, args.latency, proxy_cpus)
         return
     rows = soak(args.stores, args.sessions, args.seconds, args.latency)
     print(
