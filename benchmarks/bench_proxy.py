@@ -97,16 +97,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="approximate length of one batch")
     parser.add_argument("--api-level", type=int, default=16, help="concurrency of the translation table")
     parser.add_argument(
-        "--proxy-cpus", help="the proxies' own CPUs, as taskset writes them (0 or 0-3); the load and stubs get the rest"
+        "--proxy-cpus",
+        type=cpus.parse,
+        default=set(),
+        help="the proxies' own CPUs, as taskset writes them (0 or 0-3); the load and stubs get the rest",
     )
     args = parser.parse_args()
-    proxy_cpus = cpus.parse(args.proxy_cpus) if args.proxy_cpus else set()
-    split = cpus.split(proxy_cpus) if proxy_cpus else ""
+    split = cpus.split(args.proxy_cpus)
 
     def own_cpus(*pids: int) -> None:
         """The proxies' (and floors') processes on their CPUs, if they have their own."""
-        for pid in pids if proxy_cpus else ():
-            cpus.pin(pid, proxy_cpus)
+        for pid in pids:
+            cpus.pin(pid, args.proxy_cpus)
 
     work = Path(tempfile.mkdtemp(prefix="rlp-bench-"))
     stub_port, rlp_port, litellm_port = free_port(), free_port(), free_port()

@@ -80,7 +80,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float, proxy_cpus
     floors = ("passthrough", "recording-sqlite", "recording-postgresql", "rendering-sqlite")
     samples: dict[str, list[Load]] = {name: [] for name in ("direct", *floors, *proxies)}
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in samples}  # ms a call: process, loop
-    split = cpus.split(proxy_cpus) if proxy_cpus else ""
+    split = cpus.split(proxy_cpus)
     with stack(["sqlite", "postgresql"], latency) as (upstream, dbs), ExitStack() as running:
         dbs["sqlite-messages"] = str(Path(tempfile.mkdtemp()) / "messages.db")
         dbs["sqlite-2-workers"] = str(Path(tempfile.mkdtemp()) / "workers.db")
@@ -98,7 +98,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float, proxy_cpus
             log = Path(tempfile.mkdtemp()) / "proxy.log"
             base, pid = running.enter_context(proxy(upstream, dbs[kind], log, *options))
             bases[kind] = (base, psutil.Process(pid))
-        for _, server in bases.values() if proxy_cpus else ():
+        for _, server in bases.values():
             if server:
                 cpus.pin(server.pid, proxy_cpus)
         for round_ in range(rounds):
@@ -161,11 +161,15 @@ def main() -> None:
     parser.add_argument("--stores", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
     parser.add_argument("--bench", action="store_true", help="the store benchmark table instead of the soak")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--proxy-cpus", help="bench: the proxies' own CPUs (0 or 0-3); the load and stub get the rest")
+    parser.add_argument(
+        "--proxy-cpus",
+        type=cpus.parse,
+        default=set(),
+        help="bench: the proxies' own CPUs (0 or 0-3); the load the rest",
+    )
     args = parser.parse_args()
     if args.bench:
-        proxy_cpus = cpus.parse(args.proxy_cpus) if args.proxy_cpus else set()
-        bench(args.sessions, min(args.seconds, 10.0), args.rounds, args.latency, proxy_cpus)
+        bench(args.sessions, min(args.seconds, 10.0), args.rounds, args.latency, args.proxy_cpus)
         return
     rows = soak(args.stores, args.sessions, args.seconds, args.latency)
     print(

@@ -53,3 +53,4 @@ def test_the_load_gets_the_cpus_the_proxies_do_not_and_not_none() -> None:
     taken = subprocess.run([sys.executable, "-c", f"from benchmarks.support import cpus; cpus.split({{{every}}})"])
     assert taken.returncode != 0
     assert cpus.parse("0-2,5") == {0, 1, 2, 5}
+    assert cpus.split(set()) == "" and os.sched_getaffinity(0) == CPUS  # none named: nothing pinned

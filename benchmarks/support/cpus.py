@@ -3,7 +3,7 @@
 On a machine of few cores the proxy, the stub it calls and the clients that load it take turns on
 the same CPUs, so a proxy's added latency includes its waits for a core the others hold. With
 `--proxy-cpus` a benchmark gives its proxies (and their floors) CPUs of their own: what they add
-then is their own cost, the question issue 49 asks of a machine with more cores.
+then is their own cost.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ def parse(text: str) -> set[int]:
 
 def split(proxy_cpus: set[int]) -> str:
     """Pins this process (the load, and every server it starts from now on) to the CPUs that are
-    not `proxy_cpus`, and says so in a line for the benchmark's tables."""
+    not `proxy_cpus`, and says so in a line for the benchmark's tables; none: nothing is pinned."""
+    if not proxy_cpus:
+        return ""
     rest = os.sched_getaffinity(0) - proxy_cpus
-    if not proxy_cpus or not rest or not proxy_cpus <= os.sched_getaffinity(0):
+    if not rest or not proxy_cpus <= os.sched_getaffinity(0):
         raise SystemExit(f"--proxy-cpus must name some, not all, of this machine's CPUs {os.sched_getaffinity(0)}")
     for thread in Path("/proc/self/task").iterdir():
         os.sched_setaffinity(int(thread.name), rest)
@@ -34,9 +36,11 @@ def split(proxy_cpus: set[int]) -> str:
 
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process `pid` and of its children (a `--workers` server's) on `cpus`;
-    threads they start later inherit it."""
+    threads they start later inherit it. None: nothing is pinned."""
     import psutil  # vLLM's dependency
 
+    if not cpus:
+        return
     for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         for thread in process.threads():
             os.sched_setaffinity(thread.id, cpus)
