@@ -104,12 +104,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     split = cpus.split(args.proxy_cpus)
-
-    def own_cpus(*pids: int) -> None:
-        """The proxies' (and floors') processes on their CPUs, if they have their own."""
-        for pid in pids:
-            cpus.pin(pid, args.proxy_cpus)
-
     work = Path(tempfile.mkdtemp(prefix="rlp-bench-"))
     stub_port, rlp_port, litellm_port = free_port(), free_port(), free_port()
     stub = f"http://127.0.0.1:{stub_port}/v1"
@@ -138,7 +132,7 @@ def main() -> None:
         ) as litellm_proxy,
         floor(stub, work / "recording-floor.log", str(work / "recording-floor.db")) as (recording, recording_pid),
     ):
-        own_cpus(rlp.pid, litellm_proxy.pid, recording_pid)
+        cpus.pin(args.proxy_cpus, rlp.pid, litellm_proxy.pid, recording_pid)
         targets = {
             "direct": f"{stub}/chat/completions",
             "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
@@ -204,7 +198,8 @@ def main() -> None:
             proxy("messages", "--messages-mode") as messages_proxy,
             floor(stub, work / "token-in-floor.log", str(work / "token-in-floor.db"), render=True) as (rendering, pid),
         ):
-            own_cpus(token_in_proxy.pid, read_back_proxy.pid, tokenize_proxy.pid, messages_proxy.pid, pid)
+            pinned = (token_in_proxy.pid, read_back_proxy.pid, tokenize_proxy.pid, messages_proxy.pid, pid)
+            cpus.pin(args.proxy_cpus, *pinned)
             watched = {
                 **{
                     name: partial(proxy_waits, f"http://127.0.0.1:{ports[name]}")

@@ -98,9 +98,7 @@ def bench(sessions: int, seconds: float, rounds: int, latency: float, proxy_cpus
             log = Path(tempfile.mkdtemp()) / "proxy.log"
             base, pid = running.enter_context(proxy(upstream, dbs[kind], log, *options))
             bases[kind] = (base, psutil.Process(pid))
-        for _, server in bases.values():
-            if server:
-                cpus.pin(server.pid, proxy_cpus)
+        cpus.pin(proxy_cpus, *(server.pid for _, server in bases.values() if server))
         for round_ in range(rounds):
             for name, (base, server) in bases.items():
                 before = seconds_of(server) if server else (0.0, 0.0)

@@ -32,7 +32,7 @@ def test_a_pinned_server_runs_every_thread_on_the_proxies_cpus() -> None:
     assert server.stdin is not None and server.stdout is not None
     try:
         server.stdout.readline()
-        cpus.pin(server.pid, {first})
+        cpus.pin({first}, server.pid)
         server.stdin.write(b"\n")
         server.stdin.flush()
         server.stdout.readline()

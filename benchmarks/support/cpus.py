@@ -34,13 +34,14 @@ def split(proxy_cpus: set[int]) -> str:
     return f"The proxies and floors ran on CPUs {sorted(proxy_cpus)}, the load and the other servers on {sorted(rest)}."
 
 
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process `pid` and of its children (a `--workers` server's) on `cpus`;
-    threads they start later inherit it. None: nothing is pinned."""
-    import psutil  # vLLM's dependency
-
+def pin(cpus: set[int], *pids: int) -> None:
+    """Every thread of each process of `pids` and of its children (a `--workers` server's) on
+    `cpus`; threads they start later inherit it. None: nothing is pinned."""
     if not cpus:
         return
-    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        for thread in process.threads():
-            os.sched_setaffinity(thread.id, cpus)
+    import psutil  # vLLM's dependency
+
+    for pid in pids:
+        for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            for thread in process.threads():
+                os.sched_setaffinity(thread.id, cpus)
