@@ -7,6 +7,10 @@ All targets answer the same request from the same fixed-latency STUB upstream
   litellm   -> stub   (LiteLLM proxy, no database, default settings)
   floor     -> stub   (the recording floor, benchmarks/support/passthrough.py: the same server
                        stack recording each call through the same store, and nothing else)
+  passthrough -> stub (the same server stack forwarding bytes, recording nothing)
+  nginx     -> stub   (a compiled proxy recording nothing: what one hop costs on this machine)
+Those three bound what rl-proxy adds: the hop itself, the hop in this Python stack, and a
+durable commit before the answer.
 At each concurrency, rounds alternate between targets so that machine noise hits all targets
 alike. Added latency = a target's latency minus the direct median of the same level and round.
 The load generator is aiohttp in this process; servers run in their own processes; with
@@ -52,6 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.support import cpus
 from benchmarks.support.load import p99
+from benchmarks.support.nginx import balancer, nginx_bin
 from benchmarks.support.passthrough import floor
 from benchmarks.support.stack import process
 from benchmarks.support.stub_upstream import MODEL
@@ -103,6 +108,8 @@ def main() -> None:
         help="the proxies' own CPUs, as taskset writes them (0 or 0-3); the load and stubs get the rest",
     )
     args = parser.parse_args()
+    if nginx_bin() is None:
+        sys.exit("bench_proxy needs nginx, the compiled proxy it measures beside the others: apt-get install nginx")
     split = cpus.split(args.proxy_cpus)
     work = Path(tempfile.mkdtemp(prefix="rlp-bench-"))
     stub_port, rlp_port, litellm_port = free_port(), free_port(), free_port()
@@ -113,6 +120,7 @@ def main() -> None:
         f"      api_base: {stub}\n      api_key: none\n"
     )
     py, litellm = sys.executable, str(Path(sysconfig.get_path("scripts")) / "litellm")
+    nginx_cmd, nginx_url = balancer([stub_port], work)
     with (
         process(
             [py, "-m", "benchmarks.support.stub_upstream", "--port", str(stub_port), "--latency", str(args.latency)],
@@ -131,13 +139,17 @@ def main() -> None:
             env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY},
         ) as litellm_proxy,
         floor(stub, work / "recording-floor.log", str(work / "recording-floor.db")) as (recording, recording_pid),
+        floor(stub, work / "passthrough.log") as (passthrough, passthrough_pid),
+        process(nginx_cmd, f"{nginx_url}/v1/models", work / "nginx.log") as nginx,
     ):
-        cpus.pin(args.proxy_cpus, rlp.pid, litellm_proxy.pid, recording_pid)
+        cpus.pin(args.proxy_cpus, rlp.pid, litellm_proxy.pid, recording_pid, passthrough_pid, nginx.pid)
         targets = {
             "direct": f"{stub}/chat/completions",
             "rl-proxy": f"http://127.0.0.1:{rlp_port}/v1/chat/completions",
             "litellm": f"http://127.0.0.1:{litellm_port}/v1/chat/completions",
             "floor": f"{recording}/chat/completions",
+            "passthrough": f"{passthrough}/chat/completions",
+            "nginx": f"{nginx_url}/v1/chat/completions",
         }
         for url in targets.values():  # warm up connections and imports
             asyncio.run(load(url, 4, 40, LITELLM_KEY if url == targets["litellm"] else "warmup"))
@@ -145,7 +157,7 @@ def main() -> None:
         rows = []
         for level in args.levels:
             requests = max(level * 4, int(args.seconds * level / args.latency))
-            added: dict[str, list[float]] = {"rl-proxy": [], "litellm": [], "floor": []}
+            added: dict[str, list[float]] = {name: [] for name in targets if name != "direct"}
             raw: dict[str, list[float]] = {name: [] for name in targets}
             for round_ in range(args.rounds):
                 key = f"bench-{level}-{round_}"
@@ -230,13 +242,14 @@ def main() -> None:
     )
     print(
         "| concurrency | requests/target | direct median | rl-proxy median | rl-proxy p99 | LiteLLM median "
-        "| LiteLLM p99 | recording floor median |"
+        "| LiteLLM p99 | recording floor median | passthrough floor median | nginx median |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['level']} | {r['requests']} | {r['direct']:.1f} | {r['rl-proxy median']:.2f} | "
-            f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} | {r['floor median']:.2f} |"
+            f"{r['rl-proxy p99']:.2f} | {r['litellm median']:.2f} | {r['litellm p99']:.2f} | {r['floor median']:.2f} "
+            f"| {r['passthrough median']:.2f} | {r['nginx median']:.2f} |"
         )
     print(
         f"\nAdded latency of each API through rl-proxy over a direct chat call of the same kind, ms "

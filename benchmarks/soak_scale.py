@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import httpx
 import psycopg
 
 from benchmarks.support.load import ALL_KINDS, Load, converse, p99
+from benchmarks.support.nginx import balancer
 from benchmarks.support.postgres import Server, temp_postgres
 from benchmarks.support.stack import new_database, process, read_store
 from benchmarks.support.stub_upstream import COMPLETION
@@ -109,53 +109,6 @@ class Proxies:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-NGINX = """
-worker_processes 1;
-{user}
-pid {work}/nginx.pid;
-error_log {work}/nginx-error.log warn;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    client_body_temp_path {work}/nginx-body;
-    proxy_temp_path {work}/nginx-proxy;
-    client_max_body_size 64m;
-    upstream proxies {{
-        {servers}
-        keepalive 512;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://proxies;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_set_header Host 127.0.0.1;  # a proxy on loopback answers loopback names only
-            proxy_buffering off;
-            proxy_read_timeout 120s;
-            proxy_next_upstream error timeout;
-        }}
-    }}
-}}
-"""
-
-
-def balancer(ports: list[int], work: Path) -> tuple[list[str], str]:
-    """nginx in front of the proxies, round robin (its default); a proxy that refuses connections
-    is skipped for 5 s, as a deployment's balancer does. Its command and health URL."""
-    port = free_port()
-    servers = "\n        ".join(f"server 127.0.0.1:{p} max_fails=1 fail_timeout=5s;" for p in ports)
-    user = "user root;" if os.geteuid() == 0 else ""
-    (work / "nginx.conf").write_text(NGINX.format(user=user, work=work, servers=servers, port=port))
-    cmd = [str(nginx_bin()), "-p", str(work), "-c", str(work / "nginx.conf"), "-g", "daemon off;"]
-    return cmd, f"http://127.0.0.1:{port}"
-
-
-def nginx_bin() -> str | None:
-    """Debian's nginx (in /usr/sbin, which a user's PATH may lack)."""
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
 
 
 def rss(pid: int) -> float | None:

@@ -19,8 +19,8 @@ from unittest import mock
 import httpx
 import pytest
 
-from benchmarks.soak_scale import nginx_bin
 from benchmarks.support.engine import engine_at, with_base_image
+from benchmarks.support.nginx import nginx_bin
 from benchmarks.support.postgres import postgres_bin, temp_postgres
 from benchmarks.support.ray_cluster import local_cluster
 from benchmarks.support.stack import RunningProxy, Upstream, new_database
