@@ -100,7 +100,7 @@ fmt:
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-bench: install
+bench: install system
 	$(PY) -m benchmarks.bench_proxy
 	$(PY) -m benchmarks.profile_proxy
 	$(PY) -m benchmarks.soak --bench
