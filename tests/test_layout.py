@@ -89,7 +89,7 @@ def test_development_md_names_every_module_and_make_bench_runs_every_benchmark()
     assert missing == []
     benchmarks = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__"}
     makefile = (ROOT / "Makefile").read_text()
-    bench_target = re.search(r"^bench: install\n((?:\t.*\n)+)", makefile, re.M)
+    bench_target = re.search(r"^bench: .*\n((?:\t.*\n)+)", makefile, re.M)
     assert bench_target is not None
     soaks = re.findall(r"^soak[\w-]*: .*\n((?:\t.*\n)+)", makefile, re.M)  # the long runs have targets of their own
     run = set(re.findall(r"-m benchmarks\.(\w+)", bench_target.group(1) + "".join(soaks)))
