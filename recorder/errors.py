@@ -19,6 +19,11 @@ class SessionConflict(ValueError):
     """A session id is already taken by a session with another key."""
 
 
+class SessionClosed(RuntimeError):
+    """A call into a session that has ended, refused by the database whichever proxy sent it: one
+    that looked the session up before another proxy ended it, or a call in flight at its end."""
+
+
 class StoreError(RuntimeError):
     """The database failed what was asked of it (it is down, or full); the message is the
     database's own words. The one exception the store raises for its database's failures."""

@@ -58,6 +58,38 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
 }
 
 
+ENDED = "rlp: the session has ended"  # the database's refusal of a call into it, which the writer reads
+_REFUSE = (
+    "CREATE TRIGGER IF NOT EXISTS calls_into_ended_sessions BEFORE INSERT ON calls "
+    "WHEN (SELECT status FROM sessions WHERE id = NEW.session_id) != 'active' "
+    f"BEGIN SELECT RAISE(ABORT, '{ENDED}'); END",
+    f"""CREATE OR REPLACE FUNCTION rlp_calls_into_ended_sessions() RETURNS trigger AS $$
+BEGIN
+    IF (SELECT status FROM sessions WHERE id = NEW.session_id) <> 'active' THEN
+        RAISE EXCEPTION '{ENDED}' USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$ LANGUAGE plpgsql""",
+    "CREATE TRIGGER calls_into_ended_sessions BEFORE INSERT ON calls "
+    "FOR EACH ROW EXECUTE FUNCTION rlp_calls_into_ended_sessions()",
+)
+
+
+def refuse_calls_into_ended_sessions(conn: Connection) -> None:
+    """The trigger by which the database refuses a call whose session has ended. A proxy's own
+    check is on its cache, which another proxy's end does not reach; this one is at commit, in the
+    same transaction as the call, so nothing is recorded into an episode after it ended (and maybe
+    was scored). Made by every store that opens the database, new or older; a look-up by the
+    session's primary key a call."""
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql(_REFUSE[0])
+    elif conn.dialect.name == "postgresql" and not conn.scalar(
+        text("SELECT count(*) FROM pg_trigger WHERE tgname = 'calls_into_ended_sessions'")
+    ):
+        conn.exec_driver_sql(_REFUSE[1])
+        conn.exec_driver_sql(_REFUSE[2])
+
+
 def key_digest(key: str) -> str:
     """What the store keeps of a session key: its SHA-256. A key is a credential (an admin-issued
     key, or whatever API key a harness sends, a real provider key included) and is never stored."""

@@ -44,6 +44,7 @@ from recorder.schema import (
     SessionRow,
     async_url,
     key_digest,
+    refuse_calls_into_ended_sessions,
     sync_url,
 )
 from recorder.writer import Write, Writer
@@ -150,6 +151,7 @@ class Store(Reads):
                 log.info("migrating %s from schema version %d", self.url, version)
                 for step in MIGRATIONS[version]:
                     await (conn.execute(text(step)) if isinstance(step, str) else conn.run_sync(step))
+            await conn.run_sync(refuse_calls_into_ended_sessions)
             if found != SCHEMA_VERSION:
                 await conn.execute(delete(SchemaVersionRow))
                 await conn.execute(insert(SchemaVersionRow).values(version=SCHEMA_VERSION))

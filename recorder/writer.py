@@ -24,7 +24,9 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from recorder.batches import insert_calls, number_calls
+from recorder.errors import SessionClosed
 from recorder.records import CallRecord
+from recorder.schema import ENDED
 
 log = logging.getLogger("rl_proxy.recorder")
 
@@ -111,7 +113,9 @@ class Writer:
                             insert_calls(conn, to_insert)
                         results.update(zip([i for i, _ in calls], recorded, strict=True))
                 return [results[i] for i in range(len(writes))]
-            except IntegrityError:
+            except IntegrityError as exc:
+                if ENDED in str(exc.orig):  # refused, not a number taken: the same batch would be again
+                    raise SessionClosed(_ended_session(writes, str(exc.orig))) from exc
                 if attempt == ATTEMPTS - 1 or not any(isinstance(w, CallRecord) for w in writes):
                     raise
             except Exception:
@@ -127,8 +131,9 @@ class Writer:
             results = await loop.run_in_executor(self._thread, self._commit_sync, [w for w, _ in batch])
         except Exception as exc:
             if len(batch) == 1:
-                self.failures += 1
-                log.error("recording failed: %s", exc)
+                if not isinstance(exc, SessionClosed):  # a refusal by design, not the store failing
+                    self.failures += 1
+                    log.error("recording failed: %s", exc)
                 _settle(batch[0][1], exc)
                 return
             log.warning("batch of %d writes failed (%s); retrying one by one", len(batch), exc)
@@ -138,6 +143,12 @@ class Writer:
         self.committed_batches += 1
         for (_, done), result in zip(batch, results, strict=True):
             _settle(done, None, result)
+
+
+def _ended_session(writes: list[Write], refusal: str) -> str:
+    """The refusal in words: the ended session, where the batch is one call (retried one by one)."""
+    calls = [w for w in writes if isinstance(w, CallRecord)]
+    return f"session {calls[0].session_id!r} has ended" if len(calls) == 1 else refusal
 
 
 def _settle(done: asyncio.Future[Any], exc: BaseException | None, result: Any = None) -> None:

@@ -4,6 +4,7 @@ since none of this depends on the model; the vLLM path of a created key is in te
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -108,6 +109,25 @@ def test_an_ended_session_takes_no_more_calls(make_proxy: Any, stub: str) -> Non
     anthropic_shape = httpx.post(f"{proxy.v1}/messages", json=messages, headers=headers)
     assert anthropic_shape.status_code == 409 and anthropic_shape.json()["type"] == "error"
     assert httpx.get(f"{proxy.url}/admin/sessions/ep-9").json()["calls"] == 1  # what was recorded stays
+
+
+def test_a_session_ended_through_another_proxy_takes_no_more_calls_through_this_one(
+    make_proxy: Any, stub: str, tmp_path: Path
+) -> None:
+    """Two proxies on one store (behind a balancer): the one that served the session still holds
+    it as active in its cache after the other ended it, and the store refuses the call."""
+    db = str(tmp_path / "shared.db")
+    serving, ending = make_proxy(stub, db=db), make_proxy(stub, db=db)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": "Bearer ep-10"}
+    assert httpx.post(f"{serving.v1}/chat/completions", json=chat, headers=headers).status_code == 200
+    httpx.post(f"{ending.url}/admin/sessions/ep-10/end", json={"status": "ok"}).raise_for_status()
+    for where in ("is not recorded", "has ended (ok)"):  # refused at commit, then at the look-up (read again)
+        refused = httpx.post(f"{serving.v1}/chat/completions", json=chat, headers=headers)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_ended"
+        assert where in refused.json()["error"]["message"]
+    assert httpx.get(f"{ending.url}/admin/sessions/ep-10").json()["calls"] == 1
+    assert httpx.get(f"{serving.url}/healthz").json()["record_failures"] == 0
 
 
 def test_upstream_credentials_are_never_shown(make_proxy: Any, stub: str) -> None:

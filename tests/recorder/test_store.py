@@ -18,6 +18,7 @@ from benchmarks.support.samples import call
 from proxy.state import CallNumbers
 from recorder import SessionInfo, Store
 from recorder.episodes import Sampling
+from recorder.errors import SessionClosed
 from recorder.export import export
 from recorder.schema import SCHEMA_VERSION, key_digest, pack, unpack
 from recorder.store import SchemaMismatch, SessionConflict, async_url
@@ -72,6 +73,24 @@ async def test_one_bad_write_loses_no_other(db: str) -> None:
             await orphan
         assert store.write_failures == 1
         assert [c.completions[0].token_ids async for c in store.iter_calls()] == [[1], [2], [3]]
+
+
+async def test_a_call_into_an_ended_session_is_refused_by_the_database_and_its_batch_kept(db: str) -> None:
+    """A proxy that looked the session up before another one ended it, or a call in flight at
+    its end: the database refuses the call, and the calls batched with it are recorded."""
+    async with Store(db) as one, Store(db) as two:
+        for sid in ("over", "going"):
+            await one.resolve_session(SessionInfo(id=sid, key=sid))
+        await one.record(call("over", 1, [1]))
+        await two.end_session("over", "ok")  # another proxy: `one` never hears of it
+        late = one.record_nowait(call("over", 2, [2]))
+        kept = one.record_nowait(call("going", 1, [3]))
+        with pytest.raises(SessionClosed, match="over"):
+            await late
+        await kept
+        assert one.write_failures == 0  # refused by design, not a failure of the store
+        calls = [(c.session_id, c.seq) async for c in two.iter_calls()]
+    assert calls == [("over", 1), ("going", 1)]
 
 
 async def test_session_conflicts_are_named_and_keys_never_stored(db: str) -> None:
