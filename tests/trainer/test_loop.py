@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,11 @@ async def _episode(
     infra: bool = False,
     sampling: dict[str, Any] | None = None,
     policy: str | None = None,
+    also: Sequence[CallRecord] = (),
 ) -> None:
     """An episode of two merged turns (their requests with `sampling`) on model "m"; `harness` is
     how its harness ended, `infra` adds a call the upstream failed (503); `policy` is the model
-    the runner named."""
+    the runner named; `also`, calls recorded before it ends (the store refuses them after)."""
     session = await store.create_session(
         SessionInfo(id=f"{group}-{n}", key=f"k-{group}-{n}", run="r", task_id="t", group_id=group, policy_model=policy)
     )
@@ -102,6 +104,8 @@ async def _episode(
         )
     if reward is not None:
         await store.add_reward(session.id, reward, "python")
+    for extra in also:
+        await store.record(extra)
     outcome = EpisodeOutcome(harness=harness, error=None if status == "ok" else "harness crashed", reward=reward)
     await store.end_session(session.id, status, outcome)  # type: ignore[arg-type]
 
@@ -656,10 +660,12 @@ def test_aux_calls_are_not_trained_and_a_fatal_capture_leaves_its_episode_out(tm
 
     async def main() -> tuple[Any, LoopState, Any]:
         async with Store(str(tmp_path / "s.db")) as store:
+            also = {
+                0: [extra("g-0", "small-fast", [-0.1, -0.2])],  # aux: left out
+                1: [extra("g-1", "m", [])],  # no logprobs: FATAL
+            }
             for n, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
-                await _episode(store, "g", n, "1", reward, policy="m")
-            await store.record(extra("g-0", "small-fast", [-0.1, -0.2]))  # aux: left out
-            await store.record(extra("g-1", "m", []))  # no logprobs: FATAL
+                await _episode(store, "g", n, "1", reward, policy="m", also=also.get(n, ()))
             loop = _loop(tmp_path, store, LoopState(step=1, version=1))
             # the viewer, before the trainer took the group, tells the same
             shown = await would_train(store, await store.list_sessions(group_id="g"), loop.rule, loop.settings)
