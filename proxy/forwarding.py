@@ -39,7 +39,6 @@ from proxy.upstream import Upstream, UpstreamDown
 from recorder import CallRecord, SessionInfo
 from recorder.errors import SessionClosed, StoreError
 from recorder.records import ThreadRecord
-from recorder.schema import key_digest
 from recorder.store import SessionConflict, utcnow
 
 log = logging.getLogger("rl_proxy.proxy")
@@ -272,8 +271,6 @@ class Call:
             with self.state.metrics.commit.time():
                 call = await self.state.store.record(call)
         except SessionClosed as exc:  # it ended since this call began, here or through another proxy
-            key = self.session.key  # its digest, but for the call that created the session
-            self.state.store.forget_sessions([key if key.startswith("sha256:") else key_digest(key)])
             raise SessionEnded(f"{exc}: the call is not recorded; start a new session with a new key") from exc
         except Exception as exc:  # a StoreError in the database's own words, or anything else: never lost silently
             raise StoreUnavailable(f"the call could not be recorded, so it is not answered: {exc}") from exc

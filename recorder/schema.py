@@ -59,10 +59,12 @@ MIGRATIONS: dict[int, list[str | Callable[[Connection], None]]] = {
 
 
 ENDED = "rlp: the session has ended"  # the database's refusal of a call into it, which the writer reads
-_REFUSE = (
+_SQLITE_REFUSES = (
     "CREATE TRIGGER IF NOT EXISTS calls_into_ended_sessions BEFORE INSERT ON calls "
     "WHEN (SELECT status FROM sessions WHERE id = NEW.session_id) != 'active' "
-    f"BEGIN SELECT RAISE(ABORT, '{ENDED}'); END",
+    f"BEGIN SELECT RAISE(ABORT, '{ENDED}'); END"
+)
+_POSTGRESQL_REFUSES = (
     f"""CREATE OR REPLACE FUNCTION rlp_calls_into_ended_sessions() RETURNS trigger AS $$
 BEGIN
     IF (SELECT status FROM sessions WHERE id = NEW.session_id) <> 'active' THEN
@@ -82,12 +84,12 @@ def refuse_calls_into_ended_sessions(conn: Connection) -> None:
     was scored). Made by every store that opens the database, new or older; a look-up by the
     session's primary key a call."""
     if conn.dialect.name == "sqlite":
-        conn.exec_driver_sql(_REFUSE[0])
+        conn.exec_driver_sql(_SQLITE_REFUSES)
     elif conn.dialect.name == "postgresql" and not conn.scalar(
         text("SELECT count(*) FROM pg_trigger WHERE tgname = 'calls_into_ended_sessions'")
     ):
-        conn.exec_driver_sql(_REFUSE[1])
-        conn.exec_driver_sql(_REFUSE[2])
+        for statement in _POSTGRESQL_REFUSES:
+            conn.exec_driver_sql(statement)
 
 
 def key_digest(key: str) -> str:

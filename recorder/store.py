@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from recorder.caches import ByteLRU
 from recorder.episodes import EpisodeOutcome, RewardRule, SessionStatus
-from recorder.errors import SchemaMismatch, SessionConflict, store_error, translated
+from recorder.errors import SchemaMismatch, SessionClosed, SessionConflict, store_error, translated
 from recorder.reads import Reads, session_info
 from recorder.records import CallRecord, LearnerView, SessionInfo
 from recorder.schema import (
@@ -201,8 +201,14 @@ class Store(Reads):
     @translated
     async def record(self, call: CallRecord) -> CallRecord:
         """Persist one call; returns it as recorded (its number may have moved: `number_calls`)
-        once it is committed."""
-        return await self.record_nowait(call)
+        once it is committed. A call whose session has ended (SessionClosed) drops the session
+        from the key cache too, so that its next call reads it again and is refused."""
+        try:
+            return await self.record_nowait(call)
+        except SessionClosed:
+            digest = self._digest_of.get(call.session_id)
+            self.forget_sessions([digest] if digest else [])
+            raise
 
     # -- sessions ------------------------------------------------------------------------
 
